@@ -1,0 +1,46 @@
+"""onnxport: PyTorch to deployable ONNX, with every claim checked on the file it wrote.
+
+The public API is re-exported here. Imports are lazy, so reading stats or converting encodings
+never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "export_onnx": ".export",
+    "ONNXModel": ".runtime",
+    "compare_onnx": ".runtime",
+    "verify_onnx": ".runtime",
+    "ComparisonReport": ".runtime",
+    "OutputComparison": ".runtime",
+    "save_model": "._io",
+    "OnnxportError": ".errors",
+    "InvalidArgumentError": ".errors",
+    "ExportRefusedError": ".errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._io import save_model
+    from .errors import ExportRefusedError, InvalidArgumentError, OnnxportError
+    from .export import export_onnx
+    from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnxport' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,75 @@
+"""Post-conditions checked on produced files: opset, dynamic batch, identical outputs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+
+from .errors import ExportRefusedError
+from .passes.lower_opset import default_opset
+from .runtime import make_session
+
+
+def check_declared_opset(model: onnx.ModelProto, requested: int, what: str = "The produced file") -> None:
+    declared = default_opset(model)
+    if declared != requested:
+        raise ExportRefusedError(
+            f"{what} declares opset {declared}, not the requested {requested}; nothing was kept."
+        )
+
+
+def non_symbolic_batch(model: onnx.ModelProto) -> list[str]:
+    """Names of the graph inputs and outputs whose first dimension is not symbolic."""
+    fixed = []
+    for value in list(model.graph.input) + list(model.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if not dims or not dims[0].dim_param:
+            fixed.append(value.name)
+    return fixed
+
+
+def check_dynamic_batch(model: onnx.ModelProto) -> None:
+    fixed = non_symbolic_batch(model)
+    if fixed:
+        raise ExportRefusedError(
+            f"dynamic_batch=True was asked for, but the batch dimension of {', '.join(fixed)} is "
+            f"fixed in the produced file; nothing was kept."
+        )
+
+
+def run(model: onnx.ModelProto | str | os.PathLike, feeds: Mapping[str, np.ndarray], *, optimized: bool) -> list[np.ndarray]:
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    return make_session(source, optimized=optimized).run(None, dict(feeds))
+
+
+def check_identical_outputs(
+    got: list[np.ndarray], expected: list[np.ndarray], what: str
+) -> None:
+    """Raise unless both runs returned the same outputs, byte for byte."""
+    if len(got) != len(expected):
+        raise ExportRefusedError(f"{what}: {len(got)} outputs instead of {len(expected)}; nothing was kept.")
+    for index, (a, b) in enumerate(zip(got, expected)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.shape == b.shape else float("nan")
+            raise ExportRefusedError(
+                f"{what}: output {index} differs from the graph as produced (max abs diff {diff:.3g}); nothing was kept."
+            )
+
+
+def check_lowered(lowered: onnx.ModelProto, produced: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
+    """A lowered graph must pass the checker at its opset and run byte-identically to the original."""
+    try:
+        onnx.checker.check_model(lowered, full_check=True)
+    except onnx.checker.ValidationError as error:
+        raise ExportRefusedError(
+            f"The graph lowered to opset {default_opset(lowered)} fails onnx.checker: {error}; nothing was kept."
+        ) from error
+    check_identical_outputs(
+        run(lowered, feeds, optimized=False),
+        run(produced, feeds, optimized=False),
+        f"The graph lowered to opset {default_opset(lowered)}",
+    )

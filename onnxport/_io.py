@@ -1,0 +1,157 @@
+"""Writing models: the one place that knows how to leave nothing half-written behind.
+
+Every writer stages its output in a private folder beside the target (same file system, so the
+final ``os.replace`` is atomic), checks it there, and only then moves it into place. On any
+failure the staging folder is removed with everything in it, and the target is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+
+from .errors import InvalidArgumentError
+
+#: Protobuf cannot serialise a message of 2 GiB or more; bigger models keep their weights outside.
+PROTOBUF_LIMIT = 2**31 - 1
+_EXTERNAL_SIZE_THRESHOLD = 1024  # tensors smaller than this stay inside the .onnx file
+
+
+def check_output_path(output_path: str | os.PathLike, argument: str = "output_path") -> Path:
+    """Validate an output path before any work: a ``.onnx`` file in a writable directory."""
+    if not isinstance(output_path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"{argument} must be a str or os.PathLike naming an .onnx file, "
+            f"not {type(output_path).__name__}."
+        )
+    path = Path(output_path)
+    if path.exists() and path.is_dir():
+        raise InvalidArgumentError(
+            f"{argument} '{path}' is a directory; give a file name such as '{path / 'model.onnx'}'."
+        )
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise InvalidArgumentError(
+            f"The directory of {argument} '{path}' does not exist; create '{directory}' first."
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(
+            f"The directory of {argument} '{path}' is not writable; choose a directory you can write to."
+        )
+    return path
+
+
+def _tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes held by the initializers and constants of the main graph (what decides > 2 GB)."""
+    total = sum(len(t.raw_data) for t in model.graph.initializer)
+    total += sum(
+        sum(len(v) for v in (t.float_data, t.int32_data, t.int64_data, t.double_data)) * 4
+        for t in model.graph.initializer
+        if not t.raw_data
+    )
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                total += len(attr.t.raw_data)
+    return total
+
+
+def needs_external_data(model: onnx.ModelProto) -> bool:
+    """True when the model cannot be serialised as one protobuf (its tensors reach 2 GB)."""
+    return _tensor_bytes(model) >= PROTOBUF_LIMIT - 64 * 1024 * 1024
+
+
+def write_model(
+    model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None
+) -> Path:
+    """Write ``model`` to ``path`` as is (not atomic: use inside :func:`staged_output`).
+
+    ``external_data=None`` stores weights in ``<name>.data`` beside the file only when the model
+    is too large for one protobuf; ``True`` or ``False`` forces the choice.
+    """
+    path = Path(path)
+    if external_data is None:
+        external_data = needs_external_data(model)
+    if external_data:
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=_EXTERNAL_SIZE_THRESHOLD,
+        )
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
+@contextlib.contextmanager
+def staged_output(output_path: str | os.PathLike) -> Iterator[Path]:
+    """Stage a file for ``output_path`` and move it into place only if the block succeeds.
+
+    Yields the path to write to, inside a private folder beside ``output_path``. The block may
+    write scratch files in that folder too. When it returns, the model and the external-data
+    files it refers to are moved beside ``output_path`` and everything else is dropped; on an exception the folder and all it holds are
+    removed and ``output_path`` is left untouched.
+    """
+    target = Path(output_path)
+    directory = target.parent if str(target.parent) else Path(".")
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=directory))
+    try:
+        staged = stage / target.name
+        yield staged
+        if not staged.is_file():
+            raise RuntimeError(f"The staged model '{staged}' was never written.")
+        # Only the model and the external data it names leave the stage; scratch files the block
+        # wrote beside them are dropped with it. Data first, the model last: the model commits.
+        for item in external_data_files(staged):
+            if item.parent != stage or not item.is_file():
+                raise RuntimeError(f"The staged model refers to external data '{item}' outside its stage.")
+            os.replace(item, directory / item.name)
+        os.replace(staged, target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    check: bool = True,
+) -> Path:
+    """Write ``model`` to ``path`` atomically, with external data when it is over 2 GB.
+
+    Args:
+        model: the model to write; it is not modified.
+        path: the target ``.onnx`` file; a previous file there is replaced only once the new one
+            is complete and (with ``check``) has passed ``onnx.checker``.
+        external_data: ``None`` decides by size; ``True``/``False`` force it.
+        check: run ``onnx.checker`` on the staged file before it replaces the target.
+    """
+    target = check_output_path(path, "path")
+    with staged_output(target) as staged:
+        write_model(model, staged, external_data=external_data)
+        if check:
+            onnx.checker.check_model(str(staged))
+    return target
+
+
+def external_data_files(path: str | os.PathLike) -> list[Path]:
+    """The external-data files an ONNX file refers to (read without loading weights)."""
+    path = Path(path)
+    model = onnx.load_model(str(path), load_external_data=False)
+    names: set[str] = set()
+    for tensor in onnx.external_data_helper._get_all_tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    names.add(entry.value)
+    return [path.parent / n for n in sorted(names)]

@@ -1,0 +1,22 @@
+"""The exceptions onnxport raises.
+
+Every refusal is an :class:`OnnxportError` carrying a full-sentence message that names what was
+wrong and what to do instead.
+"""
+
+from __future__ import annotations
+
+
+class OnnxportError(Exception):
+    """Base class of every error onnxport raises on purpose."""
+
+
+class InvalidArgumentError(OnnxportError, ValueError, TypeError):
+    """An argument is of the wrong type or value; raised before anything is written.
+
+    It is both a ``ValueError`` and a ``TypeError`` so callers that catch either keep working.
+    """
+
+
+class ExportRefusedError(OnnxportError, RuntimeError):
+    """A produced file broke one of its promises (opset, outputs, placement…); nothing was kept."""

@@ -1,0 +1,242 @@
+"""``export_onnx``: a PyTorch model to a checked float (or ONNX Runtime INT8) ONNX file."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from . import _checks
+from ._io import check_output_path, needs_external_data, staged_output, write_model
+from .errors import InvalidArgumentError
+from .passes import lower_opset
+from .passes.strip_unused_opsets import strip_unused_opsets
+
+QUANTIZE_MODES = ("dynamic", "static")
+CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
+QUANT_TYPES = ("uint8", "int8")
+MIN_OPSET = 13
+
+
+def _max_opset() -> int:
+    return onnx.defs.onnx_opset_version()
+
+
+def _validate_choice(value: Any, choices: Sequence[str], argument: str) -> str:
+    if value not in choices:
+        raise InvalidArgumentError(f"{argument} must be one of {', '.join(map(repr, choices))}, not {value!r}.")
+    return value
+
+
+def _validate_opset(opset_version: Any) -> int:
+    top = _max_opset()
+    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not MIN_OPSET <= opset_version <= top:
+        raise InvalidArgumentError(
+            f"opset_version must be an integer from {MIN_OPSET} to {top}, not {opset_version!r}: the "
+            f"exporter writes opset 18 or later, and onnxport lowers it exactly down to {MIN_OPSET} at most."
+        )
+    return opset_version
+
+
+def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
+    # onnxslim: folds constants and fuses patterns without touching Q/DQ pairs (measured
+    # against onnxoptimizer and the onnxscript optimizer; see the README's design notes).
+    import onnxslim
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return onnxslim.slim(model)
+
+
+def _quantize(
+    float_path: Path,
+    out_path: Path,
+    *,
+    mode: str,
+    batches: list | None,
+    input_names: list[str],
+    calibration_method: str,
+    activation_type: str,
+    weight_type: str,
+    per_channel: bool,
+    large: bool,
+) -> None:
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    types = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
+    pre_path = float_path.with_name("preprocessed.onnx")
+    quant_pre_process(str(float_path), str(pre_path), skip_symbolic_shape=False, save_as_external_data=large)
+    if mode == "dynamic":
+        quantize_dynamic(
+            str(pre_path), str(out_path), weight_type=types[weight_type], per_channel=per_channel,
+            use_external_data_format=large,
+        )
+        return
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._batches = iter(batches or [])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            batch = next(self._batches, None)
+            if batch is None:
+                return None
+            return {name: t.numpy() for name, t in zip(input_names, batch)}
+
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[calibration_method]
+    quantize_static(
+        str(pre_path), str(out_path), _Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
+        activation_type=types[activation_type], weight_type=types[weight_type],
+        calibrate_method=method, use_external_data_format=large,
+    )
+
+
+def export_onnx(
+    model: Any,
+    sample: Any,
+    output_path: str | os.PathLike,
+    *,
+    opset_version: int = 17,
+    quantize: bool = False,
+    quantize_mode: str = "dynamic",
+    calibration_data: Iterable[Any] | None = None,
+    optimize: bool = True,
+    dynamic_batch: bool = True,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    calibration_method: str = "minmax",
+    activation_type: str = "uint8",
+    weight_type: str = "int8",
+    per_channel: bool = True,
+) -> Path:
+    """Export a PyTorch model to ONNX, optimise it, and optionally quantize it with ONNX Runtime.
+
+    Args:
+        model: the float ``nn.Module`` to export (it is exported in eval mode; its own mode is
+            restored afterwards). For a model quantized with ``Quantizer(backend='pt2e')`` use
+            ``export_qdq``: the float optimiser here is not meant for Q/DQ graphs.
+        sample: a tensor, or a tuple of tensors (one per input), batch dimension first.
+        output_path: the ``.onnx`` file to write. It either receives a complete, checked file or
+            is left as it was.
+        opset_version: the default-domain opset the file must declare (13 to the newest ONNX
+            knows). The exporter writes 18 or later; older opsets are lowered exactly and checked
+            by running both graphs.
+        quantize: quantize with ONNX Runtime after the float export.
+        quantize_mode: ``'dynamic'`` (weights only, no calibration) or ``'static'``.
+        calibration_data: for ``'static'``: an iterable of batches (a DataLoader works), each a
+            tensor, a tuple of inputs, or an ``(inputs, target)`` pair.
+        optimize: run the onnxslim graph optimiser on the float graph.
+        dynamic_batch: make dim 0 of every input and output symbolic.
+        input_names, output_names: names for the graph's inputs and outputs (defaults ``input``
+            / ``output``, or ``input_0…`` / ``output_0…`` for several).
+        calibration_method: static calibration: ``'minmax'``, ``'entropy'`` or ``'percentile'``.
+        activation_type, weight_type: static quantization types, ``'uint8'`` or ``'int8'``
+            (uint8 activations with int8 weights is the fast pair on VNNI CPUs).
+        per_channel: per-channel weight scales (static and dynamic).
+
+    Returns:
+        ``output_path`` as a ``Path``.
+    """
+    import torch
+
+    from ._export_torch import check_names, torch_to_onnx
+    from ._inputs import as_input_tuple, calibration_batches, flatten_outputs
+    from ._torch import eval_mode, require_module
+
+    # -- everything is validated before anything is written ---------------------------------
+    require_module(model)
+    inputs = as_input_tuple(sample)
+    target = check_output_path(output_path)
+    opset_version = _validate_opset(opset_version)
+    _validate_choice(quantize_mode, QUANTIZE_MODES, "quantize_mode")
+    _validate_choice(calibration_method, CALIBRATION_METHODS, "calibration_method")
+    _validate_choice(activation_type, QUANT_TYPES, "activation_type")
+    _validate_choice(weight_type, QUANT_TYPES, "weight_type")
+    batches = None
+    if quantize and quantize_mode == "static":
+        if calibration_data is None:
+            raise InvalidArgumentError(
+                "quantize_mode='static' needs calibration_data: an iterable of input batches "
+                "(a DataLoader works), or use quantize_mode='dynamic'."
+            )
+        batches = calibration_batches(calibration_data, inputs)
+    elif calibration_data is not None:
+        warnings.warn(
+            "calibration_data is only used with quantize=True and quantize_mode='static'; it is ignored.",
+            UserWarning,
+            stacklevel=2,
+        )
+    with eval_mode(model), torch.no_grad():
+        reference = flatten_outputs(model(*inputs))
+    if not reference:
+        raise InvalidArgumentError("The model returned no tensors on the sample; there is nothing to export.")
+    in_names = check_names(input_names, len(inputs), "input_names", "input")
+    out_names = check_names(output_names, len(reference), "output_names", "output")
+    feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
+
+    # -- export, lower, optimise, check, then (optionally) quantize --------------------------
+    from tqdm.auto import tqdm
+
+    steps = ["export", "optimize", "check"] + (["quantize"] if quantize else [])
+    with staged_output(target) as staged, tqdm(total=len(steps), desc="export_onnx", leave=False, disable=None) as bar:
+        with eval_mode(model):
+            produced = torch_to_onnx(
+                model, inputs, opset_version=opset_version, input_names=in_names,
+                output_names=out_names, dynamic_batch=dynamic_batch,
+            )
+        graph = produced
+        if _checks.default_opset(produced) > opset_version:
+            graph = lower_opset(produced, opset_version)
+            _checks.check_lowered(graph, produced, feeds)
+        bar.update()
+        if optimize:
+            graph = _optimize(graph)
+        graph = strip_unused_opsets(graph)
+        bar.update()
+        large = needs_external_data(graph)
+        float_path = staged if not quantize else staged.with_name("float.onnx")
+        write_model(graph, float_path, external_data=large)
+        _check_file(float_path, opset_version, dynamic_batch, feeds)
+        bar.update()
+        if quantize:
+            _quantize(
+                float_path, staged, mode=quantize_mode, batches=batches, input_names=in_names,
+                calibration_method=calibration_method, activation_type=activation_type,
+                weight_type=weight_type, per_channel=per_channel, large=large,
+            )
+            header = onnx.load_model(str(staged), load_external_data=False)
+            stripped = strip_unused_opsets(header)
+            if len(stripped.opset_import) != len(header.opset_import):
+                onnx.save_model(stripped, str(staged))  # external weights stay where they are
+            _check_file(staged, opset_version, dynamic_batch, feeds)
+            bar.update()
+    return target
+
+
+def _check_file(path: Path, opset_version: int, dynamic_batch: bool, feeds: dict[str, np.ndarray]) -> None:
+    """The promises of an exported file, checked on the file: checker, opset, batch, a run."""
+    onnx.checker.check_model(str(path))
+    header = onnx.load_model(str(path), load_external_data=False)
+    _checks.check_declared_opset(header, opset_version)
+    _checks.run(path, feeds, optimized=True)
+    if dynamic_batch:
+        _checks.check_dynamic_batch(header)
+        bigger = {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()}
+        _checks.run(path, bigger, optimized=True)

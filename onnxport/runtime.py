@@ -1,0 +1,271 @@
+"""Running ONNX files: ``ONNXModel``, and comparing a file with the PyTorch model it came from."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import InvalidArgumentError
+
+_ORT_TO_NUMPY = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+def _providers_for(device: str) -> tuple[list[str], dict | None, int | None]:
+    if not isinstance(device, str):
+        device = str(device)  # torch.device
+    if device == "cpu":
+        return ["CPUExecutionProvider"], None, None
+    if device == "cuda" or device.startswith("cuda:"):
+        index = 0
+        if ":" in device:
+            try:
+                index = int(device.split(":", 1)[1])
+            except ValueError:
+                raise InvalidArgumentError(f"device '{device}' is not 'cuda:N' with an integer N.") from None
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise InvalidArgumentError(
+                f"device '{device}' needs ONNX Runtime's CUDAExecutionProvider, which this install "
+                f"lacks (available: {', '.join(ort.get_available_providers())}); install "
+                f"onnxruntime-gpu, or use device='cpu'."
+            )
+        return ["CUDAExecutionProvider"], {"device_id": index}, index
+    raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', not '{device}'.")
+
+
+def make_session(
+    model: str | os.PathLike | bytes,
+    *,
+    optimized: bool = True,
+    providers: Sequence[Any] | None = None,
+    session_options: ort.SessionOptions | None = None,
+) -> ort.InferenceSession:
+    """An ONNX Runtime session on CPU; ``optimized=False`` disables every graph optimisation."""
+    options = session_options or ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=list(providers or ["CPUExecutionProvider"]))
+
+
+class ONNXModel:
+    """Run an ONNX file with a PyTorch-like call.
+
+    Args:
+        path: the ``.onnx`` file (external data beside it is found automatically).
+        device: ``'cpu'``, ``'cuda'`` or ``'cuda:N'``; CUDA needs ONNX Runtime's CUDA provider and
+            is never silently replaced by the CPU.
+        providers: explicit ONNX Runtime providers, overriding ``device``'s choice.
+        session_options: an ``onnxruntime.SessionOptions`` to build the session with.
+
+    Call it with the inputs positionally or by input name. Torch tensors (any device) and numpy
+    arrays are accepted; with torch inputs the outputs are torch tensors on ``device``, with numpy
+    inputs numpy arrays. One output comes back alone, several as a tuple.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        device: str = "cpu",
+        *,
+        providers: Sequence[Any] | None = None,
+        session_options: ort.SessionOptions | None = None,
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise InvalidArgumentError(f"path '{self.path}' is not an ONNX file that exists.")
+        chosen, options, index = _providers_for(device)
+        self.device = "cpu" if index is None else f"cuda:{index}"
+        if providers is None:
+            providers = [(chosen[0], options)] if options else chosen
+        self.session = make_session(self.path, providers=providers, session_options=session_options)
+        self._inputs = self.session.get_inputs()
+        self._outputs = self.session.get_outputs()
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self._inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self._outputs]
+
+    def __repr__(self) -> str:
+        def sig(args) -> str:
+            return ", ".join(f"{a.name}: {a.type.replace('tensor(', '').rstrip(')')}{list(a.shape)}" for a in args)
+
+        return f"ONNXModel('{self.path}', device='{self.device}', inputs=({sig(self._inputs)}), outputs=({sig(self._outputs)}))"
+
+    def _feeds(self, args: tuple, kwargs: dict) -> tuple[dict[str, np.ndarray], bool]:
+        names = self.input_names
+        if len(args) > len(names):
+            raise InvalidArgumentError(
+                f"{len(args)} positional inputs given, but the model takes {len(names)} ({', '.join(names)})."
+            )
+        given: dict[str, Any] = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise InvalidArgumentError(f"Unknown input '{key}'; the model's inputs are {', '.join(names)}.")
+            if key in given:
+                raise InvalidArgumentError(f"Input '{key}' given both positionally and by name.")
+            given[key] = value
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise InvalidArgumentError(
+                f"Missing input(s) {', '.join(missing)}: the model takes {len(names)} input(s) ({', '.join(names)})."
+            )
+        feeds: dict[str, np.ndarray] = {}
+        any_torch = False
+        for meta in self._inputs:
+            value = given[meta.name]
+            if hasattr(value, "detach") and hasattr(value, "cpu"):
+                any_torch = True
+                value = value.detach().cpu().numpy()
+            elif not isinstance(value, np.ndarray):
+                raise InvalidArgumentError(
+                    f"Input '{meta.name}' must be a torch.Tensor or numpy array, not {type(value).__name__}."
+                )
+            expected = _ORT_TO_NUMPY.get(meta.type)
+            if expected is not None and value.dtype != expected:
+                raise InvalidArgumentError(
+                    f"Input '{meta.name}' has dtype {value.dtype}, but the file expects "
+                    f"{np.dtype(expected).name}; convert it first."
+                )
+            shape = list(meta.shape)
+            if len(shape) != value.ndim or any(
+                isinstance(d, int) and d != s for d, s in zip(shape, value.shape)
+            ):
+                raise InvalidArgumentError(
+                    f"Input '{meta.name}' has shape {list(value.shape)}, but the file expects {shape} "
+                    f"(names and None are free dimensions)."
+                )
+            feeds[meta.name] = np.ascontiguousarray(value)
+        return feeds, any_torch
+
+    def run_numpy(self, *args: Any, **kwargs: Any) -> list[np.ndarray]:
+        """Run and return every output as a numpy array, in the file's output order."""
+        feeds, _ = self._feeds(args, kwargs)
+        return self.session.run(None, feeds)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        feeds, any_torch = self._feeds(args, kwargs)
+        outputs: list[Any] = self.session.run(None, feeds)
+        if any_torch:
+            import torch
+
+            outputs = [torch.from_numpy(np.asarray(o)).to(self.device) for o in outputs]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def warmup(self, n: int = 3) -> ONNXModel:
+        """Run ``n`` times on zeros (free dimensions set to 1) so later timings are steady."""
+        feeds = {}
+        for meta in self._inputs:
+            shape = [d if isinstance(d, int) else 1 for d in meta.shape]
+            feeds[meta.name] = np.zeros(shape, dtype=_ORT_TO_NUMPY.get(meta.type, np.float32))
+        for _ in range(n):
+            self.session.run(None, feeds)
+        return self
+
+
+@dataclass(frozen=True)
+class OutputComparison:
+    """How one ONNX output compares with the PyTorch output in the same position."""
+
+    name: str
+    shape: tuple[int, ...]
+    max_abs_error: float
+    max_rel_error: float
+    cosine_similarity: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class ComparisonReport:
+    """Per-output agreement between a PyTorch model and an ONNX file; ``passed`` if all pass."""
+
+    outputs: tuple[OutputComparison, ...]
+    rtol: float
+    atol: float
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "passed", all(o.passed for o in self.outputs))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": self.passed}
+
+    def __str__(self) -> str:
+        lines = [f"{'output':<20} {'shape':<18} {'max abs':>10} {'max rel':>10} {'cosine':>9}  ok"]
+        for o in self.outputs:
+            lines.append(
+                f"{o.name:<20} {str(list(o.shape)):<18} {o.max_abs_error:>10.3g} {o.max_rel_error:>10.3g} "
+                f"{o.cosine_similarity:>9.6f}  {'yes' if o.passed else 'NO'}"
+            )
+        return "\n".join(lines)
+
+
+def _compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> OutputComparison:
+    got64 = np.asarray(got, dtype=np.float64).reshape(-1)
+    ref64 = np.asarray(ref, dtype=np.float64).reshape(-1)
+    diff = np.abs(got64 - ref64)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    rel = diff / np.maximum(np.abs(ref64), np.finfo(np.float32).tiny)
+    max_rel = float(rel.max()) if rel.size else 0.0
+    denom = float(np.linalg.norm(got64) * np.linalg.norm(ref64))
+    cosine = float(np.dot(got64, ref64) / denom) if denom > 0 else float(np.array_equal(got64, ref64))
+    passed = bool(np.allclose(got64, ref64, rtol=rtol, atol=atol))
+    return OutputComparison(name, tuple(np.shape(ref)), max_abs, max_rel, cosine, passed)
+
+
+def compare_onnx(
+    model: Any, onnx_path: str | os.PathLike, sample: Any, rtol: float = 1e-3, atol: float = 1e-5
+) -> ComparisonReport:
+    """Run ``model`` and the ONNX file on ``sample`` and compare every output.
+
+    Args:
+        model: the PyTorch ``nn.Module`` the file was exported from (run in eval mode, then its
+            mode is restored).
+        onnx_path: the ONNX file.
+        sample: a tensor or tuple of tensors, one per input.
+        rtol, atol: the tolerance of ``numpy.allclose`` each output must meet.
+    """
+    import torch
+
+    from ._inputs import as_input_tuple, flatten_outputs
+    from ._torch import eval_mode, require_module
+
+    require_module(model)
+    inputs = as_input_tuple(sample)
+    onnx_model = ONNXModel(onnx_path)
+    with eval_mode(model), torch.no_grad():
+        reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*inputs))]
+    got = onnx_model.run_numpy(*inputs)
+    if len(got) != len(reference):
+        raise InvalidArgumentError(
+            f"The file has {len(got)} outputs but the model returns {len(reference)}; was it exported from this model?"
+        )
+    return ComparisonReport(
+        tuple(_compare_arrays(name, g, r, rtol, atol) for name, g, r in zip(onnx_model.output_names, got, reference)),
+        rtol,
+        atol,
+    )
+
+
+def verify_onnx(
+    model: Any, onnx_path: str | os.PathLike, sample: Any, rtol: float = 1e-3, atol: float = 1e-5
+) -> bool:
+    """True when every output of the ONNX file matches the PyTorch model within tolerance.
+
+    See :func:`compare_onnx` for the per-output figures behind the answer.
+    """
+    return compare_onnx(model, onnx_path, sample, rtol=rtol, atol=atol).passed

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import train_tiny_classifier
+
+warnings.filterwarnings("ignore", message=".*torchvision.*")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def trained():
+    """A tiny classifier trained on synthetic images, and a held-out set: (model, (x, y))."""
+    return train_tiny_classifier()
+
+
+def listing(directory: Path) -> dict[str, str]:
+    """Every file below ``directory`` with a hash of its bytes: proves 'nothing was written'."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
