@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import onnx
 
+from ._io import needs_external_data, write_model
 from .errors import ExportRefusedError
 from .passes.lower_opset import default_opset
 from .runtime import make_session
@@ -40,9 +42,27 @@ def check_dynamic_batch(model: onnx.ModelProto) -> None:
         )
 
 
-def run(model: onnx.ModelProto | str | os.PathLike, feeds: Mapping[str, np.ndarray], *, optimized: bool) -> list[np.ndarray]:
-    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-    return make_session(source, optimized=optimized).run(None, dict(feeds))
+def _source(model: onnx.ModelProto | str | os.PathLike, scratch: Path | None, name: str) -> bytes | str:
+    """What ONNX Runtime and the checker can read: bytes, or a file when over protobuf's limit."""
+    if not isinstance(model, onnx.ModelProto):
+        return str(model)
+    if not needs_external_data(model):
+        return model.SerializeToString()
+    if scratch is None:
+        raise ExportRefusedError("A model over 2 GB can only be checked through a file; no scratch folder was given.")
+    path = scratch / name
+    write_model(model, path, external_data=True)
+    return str(path)
+
+
+def run(
+    model: onnx.ModelProto | str | os.PathLike,
+    feeds: Mapping[str, np.ndarray],
+    *,
+    optimized: bool,
+    scratch: Path | None = None,
+) -> list[np.ndarray]:
+    return make_session(_source(model, scratch, "run.onnx"), optimized=optimized).run(None, dict(feeds))
 
 
 def check_identical_outputs(
@@ -60,16 +80,26 @@ def check_identical_outputs(
             )
 
 
-def check_lowered(lowered: onnx.ModelProto, produced: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
-    """A lowered graph must pass the checker at its opset and run byte-identically to the original."""
+def check_lowered(
+    lowered: onnx.ModelProto,
+    produced: onnx.ModelProto,
+    feeds: Mapping[str, np.ndarray],
+    scratch: Path | None = None,
+) -> None:
+    """A lowered graph must pass the checker at its opset and run byte-identically to the original.
+
+    ``scratch`` is a folder for models over 2 GB, which can only be checked and run from files.
+    """
+    lowered_source = _source(lowered, scratch, "lowered.onnx")
     try:
-        onnx.checker.check_model(lowered, full_check=True)
+        if isinstance(lowered_source, bytes):
+            onnx.checker.check_model(lowered, full_check=True)
+        else:
+            onnx.checker.check_model(lowered_source, full_check=True)
     except onnx.checker.ValidationError as error:
         raise ExportRefusedError(
             f"The graph lowered to opset {default_opset(lowered)} fails onnx.checker: {error}; nothing was kept."
         ) from error
-    check_identical_outputs(
-        run(lowered, feeds, optimized=False),
-        run(produced, feeds, optimized=False),
-        f"The graph lowered to opset {default_opset(lowered)}",
-    )
+    what = f"The graph lowered to opset {default_opset(lowered)}"
+    got = make_session(lowered_source, optimized=False).run(None, dict(feeds))
+    check_identical_outputs(got, run(produced, feeds, optimized=False, scratch=scratch), what)

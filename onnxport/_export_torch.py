@@ -67,6 +67,7 @@ def torch_to_onnx(
         with warnings.catch_warnings(), contextlib.redirect_stdout(chatter):
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*The axis name")
             program = torch.onnx.export(
                 model,
                 inputs,

@@ -72,6 +72,8 @@ def write_model(
 ) -> Path:
     """Write ``model`` to ``path`` as is (not atomic: use inside :func:`staged_output`).
 
+    ``model`` is not modified (with external data a copy is saved, which costs its size in memory).
+
     ``external_data=None`` stores weights in ``<name>.data`` beside the file only when the model
     is too large for one protobuf; ``True`` or ``False`` forces the choice.
     """
@@ -79,8 +81,11 @@ def write_model(
     if external_data is None:
         external_data = needs_external_data(model)
     if external_data:
+        # onnx moves the weights out of the proto it saves; save a copy so ``model`` stays whole.
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
         onnx.save_model(
-            model,
+            copy,
             str(path),
             save_as_external_data=True,
             all_tensors_to_one_file=True,

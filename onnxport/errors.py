@@ -20,3 +20,11 @@ class InvalidArgumentError(OnnxportError, ValueError, TypeError):
 
 class ExportRefusedError(OnnxportError, RuntimeError):
     """A produced file broke one of its promises (opset, outputs, placement…); nothing was kept."""
+
+
+class OnnxportWarning(UserWarning):
+    """Base class of onnxport's warnings."""
+
+
+class PerformanceWarning(OnnxportWarning):
+    """The file is correct but will likely run slower than the caller expects."""

@@ -1,0 +1,1 @@
+"""onnxport benchmarks: ours against the baseline, measured side by side in one run."""
