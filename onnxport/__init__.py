@@ -22,13 +22,20 @@ _EXPORTS = {
     "OnnxportError": ".errors",
     "InvalidArgumentError": ".errors",
     "ExportRefusedError": ".errors",
+    "PerformanceWarning": ".errors",
+    "OnnxportWarning": ".errors",
+    "Quantizer": ".quantize",
+    "QuantSpec": ".quantize",
+    "quant_spec": ".quantize",
+    "precision_table": ".quantize",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._io import save_model
-    from .errors import ExportRefusedError, InvalidArgumentError, OnnxportError
+    from .errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning
+    from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
     from .export import export_onnx
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
 

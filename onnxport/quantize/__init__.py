@@ -1,0 +1,26 @@
+"""Quantization in PyTorch: pt2e with our own annotation, torchao recipes, the precision record."""
+
+import logging as _logging
+
+
+def _quiet_torchao_import() -> None:
+    # torchao logs a warning per optional CUDA extension it cannot load on a CPU-only machine,
+    # and torch's pytree a deprecation for one of torchao's enums: noise for our users.
+    loggers = [_logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(_logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+        import torchao.quantization  # noqa: F401
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+_quiet_torchao_import()
+
+from .quantizer import Quantizer  # noqa: E402
+from .spec import QuantSpec, precision_table, quant_spec  # noqa: E402
+
+__all__ = ["QuantSpec", "Quantizer", "precision_table", "quant_spec"]

@@ -1,0 +1,343 @@
+"""``Quantizer``: pt2e INT8 with our own annotation (PTQ and QAT), and torchao recipes."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
+
+from .._torch import require_module
+from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning
+from .annotate import AnnotationContext, annotate_graph
+from .calibration import read_calibration
+from .observers import OBSERVERS, activation_qspec, weight_qspec
+from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add
+from .spec import QuantSpec, attach_spec
+
+BACKENDS = ("pt2e", "torchao")
+PT2E_METHODS = ("static", "qat")
+TORCHAO_METHODS = ("int8_weight_only", "int8_dynamic", "int4_weight_only")
+QSCHEMES = ("per_channel", "per_tensor")
+
+
+class AffineActivationWarning(OnnxportWarning):
+    """Activations with non-zero zero-points: TensorRT, among others, refuses them."""
+
+
+def _finish_pt2e(model: GraphModule, spec: QuantSpec) -> GraphModule:
+    """Record ``spec`` and make the converted model an ordinary, picklable module.
+
+    pt2e binds ``train``/``eval`` on the instance to stop users switching an exported graph's
+    batch norm and dropout; after convert there is nothing left to switch, and those bound
+    closures are what makes the module unpicklable.
+    """
+    for name in ("train", "eval"):
+        model.__dict__.pop(name, None)
+    # Unpickling re-traces the generated code with the recorded tracer class; torch.export's
+    # module-stack tracer cannot be rebuilt that way, the plain fx tracer can.
+    model._tracer_cls = None
+    model._tracer_extras = {}
+    return attach_spec(model, spec)
+
+
+def _choice(value: Any, choices: Sequence[str], argument: str) -> str:
+    if value not in choices:
+        raise InvalidArgumentError(f"{argument} must be one of {', '.join(map(repr, choices))}, not {value!r}.")
+    return value
+
+
+class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
+    """The torchao ``Quantizer`` subclass carrying our annotation and placement edits."""
+
+    def __init__(self, ctx: AnnotationContext, placement: str, skip: list[str]) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.placement = placement
+        self.skip = skip
+        self.conv_add_edges: tuple[int, int] | None = None
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        annotate_graph(model, self.ctx)
+        if self.placement == "skip_conv_add":
+            self.conv_add_edges = skip_conv_add(model)
+            skipped, adds = self.conv_add_edges
+            if skipped == 0:
+                raise InvalidArgumentError(
+                    f"qdq_placement='skip_conv_add' found no conv→add edge to leave unquantized: the "
+                    f"model has {adds} quantized add node(s), none fed by a single-user convolution. "
+                    f"It is a residual-network placement; use qdq_placement='per_op' for this model."
+                )
+        if self.skip:
+            skip_activations(model, self.skip)
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        pass
+
+
+def _model_device_check(model: torch.nn.Module) -> None:
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"Quantizer runs on the CPU, but the model has tensors on {tensor.device}; pass "
+                f"model.cpu() (onnxport does not move your model itself)."
+            )
+
+
+def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_batch: bool) -> GraphModule:
+    from .._export_torch import tracing_inputs
+
+    dynamic_shapes = None
+    if dynamic_batch:
+        batch = torch.export.Dim("batch")
+        dynamic_shapes = tuple({0: batch} if t.dim() else None for t in inputs)
+        inputs = tracing_inputs(inputs, True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        extra = " (or pass dynamic_batch=False if the model fixes its batch size)" if dynamic_batch else ""
+        raise ExportRefusedError(
+            f"pt2e quantization needs a model that torch.export can capture as one graph; "
+            f"torch.export failed with {type(error).__name__}: {first}. Remove data-dependent Python "
+            f"control flow from forward{extra}."
+        ) from error
+    # check_guards=False: the guard submodule is unpicklable, and our batch is free anyway.
+    return exported.module(check_guards=False)
+
+
+class Quantizer:
+    """Quantize a PyTorch model: pt2e INT8 (exportable as ONNX Q/DQ) or a torchao recipe.
+
+    Args:
+        backend: ``'pt2e'`` (static PTQ or QAT, our own annotation) or ``'torchao'``.
+        method: pt2e: ``'static'`` (default) or ``'qat'``; torchao: ``'int8_weight_only'``,
+            ``'int8_dynamic'`` or ``'int4_weight_only'`` (required).
+        qscheme: weights ``'per_channel'`` (output-channel axis; axis 1 for transposed convs) or
+            ``'per_tensor'``.
+        symmetric: activations symmetric int8 with zero-point 0 (what TensorRT needs). ``False``
+            gives affine activations, with a warning.
+        observer: activation observer for calibration: ``'histogram'`` (default; the best
+            agreement in ``bench/quantizer.py``), ``'minmax'`` or ``'percentile'`` (99.99th).
+        qdq_placement: ``'per_op'`` (every operator's inputs quantized, both inputs of every add)
+            or ``'skip_conv_add'`` (the residual branch's conv reaches its add unquantized).
+        skip_activations: module names whose output activations stay float.
+        group_size: weight group size of ``'int4_weight_only'``.
+    """
+
+    def __init__(
+        self,
+        backend: str = "pt2e",
+        method: str | None = None,
+        *,
+        qscheme: str = "per_channel",
+        symmetric: bool = True,
+        observer: str = "histogram",
+        qdq_placement: str = "per_op",
+        skip_activations: Sequence[str] | None = None,
+        group_size: int = 128,
+    ) -> None:
+        self.backend = _choice(backend, BACKENDS, "backend")
+        if backend == "pt2e":
+            self.method = _choice(method or "static", PT2E_METHODS, "method")
+        else:
+            if method is None:
+                raise InvalidArgumentError(
+                    f"Quantizer(backend='torchao') needs a method: one of {', '.join(map(repr, TORCHAO_METHODS))}."
+                )
+            self.method = _choice(method, TORCHAO_METHODS, "method")
+        self.qscheme = _choice(qscheme, QSCHEMES, "qscheme")
+        self.observer = _choice(observer, OBSERVERS, "observer")
+        self.qdq_placement = _choice(qdq_placement, PLACEMENTS, "qdq_placement")
+        if skip_activations is not None and (
+            isinstance(skip_activations, str) or not all(isinstance(s, str) for s in skip_activations)
+        ):
+            raise InvalidArgumentError(
+                f"skip_activations must be a list of module names such as ['layer1.0.relu'], not {skip_activations!r}."
+            )
+        self.skip_activations = list(skip_activations or [])
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
+        self.group_size = group_size
+        self.symmetric = bool(symmetric)
+        if not self.symmetric and backend == "pt2e":
+            warnings.warn(
+                "symmetric=False gives activations non-zero zero-points, which some consumers "
+                "(TensorRT) refuse; keep the default for TensorRT.",
+                AffineActivationWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Quantizer(backend={self.backend!r}, method={self.method!r}, qscheme={self.qscheme!r}, "
+            f"symmetric={self.symmetric}, observer={self.observer!r}, qdq_placement={self.qdq_placement!r}, "
+            f"skip_activations={self.skip_activations!r})"
+        )
+
+    # -- the record ----------------------------------------------------------------------
+    def spec(self) -> QuantSpec:
+        """The :class:`QuantSpec` this quantizer writes on the models it returns."""
+        if self.backend == "pt2e":
+            return QuantSpec(
+                backend="pt2e", method=self.method, weight_bits=8, activation_bits=8, qscheme=self.qscheme,
+                symmetric=self.symmetric, placement=self.qdq_placement,
+                skipped_modules=tuple(self.skip_activations), observer=self.observer if self.method == "static" else "fake_quant",
+            )
+        bits = 4 if self.method == "int4_weight_only" else 8
+        return QuantSpec(
+            backend="torchao", method=self.method, weight_bits=bits,
+            activation_bits=None, qscheme="per_group" if bits == 4 else "per_channel", symmetric=True,
+            group_size=self.group_size if bits == 4 else None,
+            dynamic_activations=self.method == "int8_dynamic",
+        )
+
+    def _pt2e_quantizer(self, is_qat: bool) -> _OnnxportPT2EQuantizer:
+        per_channel = self.qscheme == "per_channel"
+        ctx = AnnotationContext(
+            activation=activation_qspec(self.observer, self.symmetric, is_qat),
+            weight=weight_qspec(per_channel, is_qat, axis=0),
+            weight_transposed=weight_qspec(per_channel, is_qat, axis=1),
+            is_qat=is_qat,
+        )
+        return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations)
+
+    # -- PTQ -------------------------------------------------------------------------------
+    def quantize(
+        self,
+        model: torch.nn.Module,
+        calibration_dl: Iterable[Any] | None = None,
+        max_calibration_samples: int | None = 1024,
+        dynamic_batch: bool = True,
+    ) -> torch.nn.Module:
+        """Return a quantized copy of ``model``; the model passed in is never modified.
+
+        Args:
+            model: a float ``nn.Module`` on the CPU.
+            calibration_dl: pt2e static: an iterable of batches (a DataLoader works), each the
+                inputs (a tensor or a tuple) or an ``(inputs, target)`` pair.
+            max_calibration_samples: stop calibrating after this many samples (never overshoots:
+                the last batch is trimmed); ``None`` uses every batch.
+            dynamic_batch: pt2e: capture with a symbolic batch dimension, so the quantized model
+                runs at any batch size and ``export_qdq(dynamic_batch=True)`` can keep it.
+        """
+        require_module(model)
+        _model_device_check(model)
+        if self.backend == "torchao":
+            return self._torchao(model)
+        if self.method == "qat":
+            raise InvalidArgumentError(
+                "method='qat' trains before it converts: call prepare(model, example_inputs), train "
+                "the returned model, then convert(prepared)."
+            )
+        if max_calibration_samples is not None and (
+            not isinstance(max_calibration_samples, int) or max_calibration_samples <= 0
+        ):
+            raise InvalidArgumentError(
+                f"max_calibration_samples must be a positive integer or None, not {max_calibration_samples!r}."
+            )
+        if self.skip_activations:
+            check_skip_names(model, self.skip_activations)
+        batches = read_calibration(calibration_dl, model, max_calibration_samples)
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+        work = copy.deepcopy(model).eval()
+        captured = _capture(work, batches[0], dynamic_batch)
+        quantizer = self._pt2e_quantizer(is_qat=False)
+        prepared = prepare_pt2e(captured, quantizer)
+        self._calibrate(prepared, batches, dynamic_batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            converted = convert_pt2e(prepared)
+        return _finish_pt2e(converted, self.spec())
+
+    @staticmethod
+    def _calibrate(prepared: GraphModule, batches: list[tuple[torch.Tensor, ...]], dynamic_batch: bool) -> None:
+        from tqdm.auto import tqdm
+
+        size = batches[0][0].shape[0] if batches[0][0].dim() else None
+        usable = batches if dynamic_batch else [b for b in batches if (b[0].shape[0] if b[0].dim() else None) == size]
+        if len(usable) < len(batches):
+            warnings.warn(
+                f"{len(batches) - len(usable)} calibration batch(es) differ in batch size from the first "
+                f"({size}) and were skipped: the model was captured with a fixed batch (dynamic_batch=False).",
+                OnnxportWarning,
+                stacklevel=3,
+            )
+        with torch.no_grad():
+            for inputs in tqdm(usable, desc="calibrating", unit="batch", leave=False, disable=None):
+                prepared(*inputs)
+
+    # -- QAT -------------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, example_inputs: Any, dynamic_batch: bool = True) -> GraphModule:
+        """QAT: return a trainable copy of ``model`` with fake-quantization inserted.
+
+        Train it as usual (it is in training mode), then call :meth:`convert`.
+        """
+        if self.backend != "pt2e" or self.method != "qat":
+            raise InvalidArgumentError("prepare() is for Quantizer(backend='pt2e', method='qat'); use quantize().")
+        from .._inputs import as_input_tuple
+        from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+        require_module(model)
+        _model_device_check(model)
+        inputs = as_input_tuple(example_inputs, "example_inputs")
+        if self.skip_activations:
+            check_skip_names(model, self.skip_activations)
+        work = copy.deepcopy(model).train()
+        captured = _capture(work, inputs, dynamic_batch)
+        prepared = prepare_qat_pt2e(captured, self._pt2e_quantizer(is_qat=True))
+        prepared.meta["onnxport_qat_pending"] = self.spec()
+        return prepared
+
+    def convert(self, prepared: GraphModule) -> GraphModule:
+        """QAT: turn a trained model from :meth:`prepare` into the quantized model."""
+        from torchao.quantization.pt2e import move_exported_model_to_eval
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
+        if not isinstance(prepared, GraphModule) or "onnxport_qat_pending" not in prepared.meta:
+            raise InvalidArgumentError("convert() takes the model returned by Quantizer.prepare().")
+        spec = prepared.meta.pop("onnxport_qat_pending")
+        move_exported_model_to_eval(prepared)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            converted = convert_pt2e(prepared)
+        return _finish_pt2e(converted, spec)
+
+    # -- torchao -----------------------------------------------------------------------------
+    def _torchao(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torchao.quantization import (
+            Int4WeightOnlyConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+            quantize_,
+        )
+
+        config = {
+            "int8_weight_only": lambda: Int8WeightOnlyConfig(),
+            "int8_dynamic": lambda: Int8DynamicActivationInt8WeightConfig(),
+            "int4_weight_only": lambda: Int4WeightOnlyConfig(group_size=self.group_size),
+        }[self.method]()
+        work = copy.deepcopy(model).eval()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantize_(work, config)
+        except Exception as error:
+            raise OnnxportError(
+                f"torchao could not apply '{self.method}' on this CPU: {type(error).__name__}: "
+                f"{(str(error).strip().splitlines() or [''])[0]}. This recipe needs a torchao kernel "
+                f"this machine lacks; use 'int8_weight_only' or 'int8_dynamic', or pt2e."
+            ) from error
+        for module in work.modules():
+            # torchao binds a partial as extra_repr on each quantized layer: cosmetic, and unpicklable.
+            module.__dict__.pop("extra_repr", None)
+        return attach_spec(work, self.spec())

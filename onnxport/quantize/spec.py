@@ -1,0 +1,115 @@
+"""``QuantSpec``: the precision record every model ``Quantizer`` returns carries."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: Attribute (and GraphModule ``meta`` key) under which a quantized model carries its record.
+SPEC_ATTRIBUTE = "onnxport_quant_spec"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a quantized model computes in, recorded when it was quantized.
+
+    Attributes:
+        backend: ``'pt2e'`` or ``'torchao'``.
+        method: ``'static'``, ``'qat'``, ``'int8_weight_only'``, ``'int8_dynamic'`` or
+            ``'int4_weight_only'``.
+        weight_bits: bits of the stored weights.
+        activation_bits: bits of the activations between operators (``None``: float, or
+            quantized on the fly at run time).
+        qscheme: ``'per_channel'``, ``'per_tensor'`` or ``'per_group'`` for weights.
+        symmetric: whether activation zero-points are all 0.
+        group_size: the weight group size of grouped recipes, else ``None``.
+        placement: the Q/DQ placement policy (``'per_op'``, ``'skip_conv_add'``) of pt2e models.
+        skipped_modules: modules whose output activations were left in float.
+        observer: the activation observer used for calibration.
+        dynamic_activations: activations are quantized at run time from their own range.
+        target: the deployment target preset the model was quantized for, if any.
+    """
+
+    backend: str
+    method: str
+    weight_bits: int
+    activation_bits: int | None
+    qscheme: str
+    symmetric: bool
+    group_size: int | None = None
+    placement: str | None = None
+    skipped_modules: tuple[str, ...] = ()
+    observer: str | None = None
+    dynamic_activations: bool = False
+    target: str | None = None
+
+    def qdq_refusal(self) -> str | None:
+        """Why this precision has no QuantizeLinear/DequantizeLinear form, or ``None`` if it has one."""
+        if self.weight_bits == 4:
+            return (
+                "INT4 weights have no Q/DQ pair at opset 18 (blocked INT4 Q/DQ needs opset 21, and "
+                "torch.onnx does not write it from torchao's INT4 layout)"
+            )
+        if self.dynamic_activations:
+            return "its activations are quantized at run time, so it has no static activation scales to write"
+        if self.activation_bits is None:
+            return "it quantizes weights only, so it has no activation scales to write"
+        return None
+
+    @property
+    def has_qdq_form(self) -> bool:
+        """True when ``export_qdq`` can write this precision as Q/DQ pairs."""
+        return self.qdq_refusal() is None
+
+    def describe(self) -> str:
+        """A one-line summary such as ``pt2e static W8A8 per_channel symmetric``."""
+        act = f"A{self.activation_bits}" if self.activation_bits else ("Adyn" if self.dynamic_activations else "A16/32f")
+        group = f" group {self.group_size}" if self.group_size else ""
+        sym = "symmetric" if self.symmetric else "affine"
+        return f"{self.backend} {self.method} W{self.weight_bits}{act} {self.qscheme}{group} {sym}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def attach_spec(model: Any, spec: QuantSpec) -> Any:
+    """Record ``spec`` on ``model`` so that it survives ``copy.deepcopy`` and pickling."""
+    setattr(model, SPEC_ATTRIBUTE, spec)
+    meta = getattr(model, "meta", None)
+    if isinstance(meta, dict):
+        meta[SPEC_ATTRIBUTE] = spec
+    return model
+
+
+def quant_spec(model: Any) -> QuantSpec | None:
+    """The :class:`QuantSpec` a model carries, or ``None`` for a model ``Quantizer`` did not make."""
+    spec = getattr(model, SPEC_ATTRIBUTE, None)
+    if spec is None:
+        meta = getattr(model, "meta", None)
+        if isinstance(meta, dict):
+            spec = meta.get(SPEC_ATTRIBUTE)
+    return spec if isinstance(spec, QuantSpec) else None
+
+
+_TABLE = [
+    # backend, method, weights, activations, runs as (PyTorch CPU), exports as
+    ("pt2e", "static", "int8 per-channel (axis 0; 1 for transposed conv), symmetric",
+     "int8 per-tensor, zero-point 0", "fake-quantized float (reference)", "ONNX Q/DQ (`export_qdq`)"),
+    ("pt2e", "static, symmetric=False", "int8 per-channel, symmetric",
+     "int8 per-tensor, affine", "fake-quantized float (reference)", "ONNX Q/DQ, non-zero zero-points (not TensorRT)"),
+    ("pt2e", "qat", "int8 per-channel, symmetric", "int8 per-tensor, zero-point 0",
+     "fake-quant training, then as static", "ONNX Q/DQ (`export_qdq`)"),
+    ("torchao", "int8_weight_only", "int8 per-channel", "float", "torchao int8 weight kernels",
+     "refused: no activation scales"),
+    ("torchao", "int8_dynamic", "int8 per-channel", "int8 per-token at run time", "torchao dynamic kernels",
+     "refused: no static activation scales"),
+    ("torchao", "int4_weight_only", "int4 grouped (group_size)", "float", "torchao int4 kernels (needs a kernel for this CPU)",
+     "refused: no INT4 Q/DQ at opset 18"),
+]
+
+
+def precision_table() -> str:
+    """A Markdown table of what each backend/method runs and what it exports as."""
+    rows = ["| backend | method | weights | activations | runs in PyTorch as | exports as |", "|---|---|---|---|---|---|"]
+    rows += [f"| {' | '.join(r)} |" for r in _TABLE]
+    return "\n".join(rows)
