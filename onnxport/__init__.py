@@ -28,6 +28,14 @@ _EXPORTS = {
     "QuantSpec": ".quantize",
     "quant_spec": ".quantize",
     "precision_table": ".quantize",
+    "export_qdq": ".qdq.export",
+    "qdq_stats": ".qdq.stats",
+    "qdq_report": ".qdq.stats",
+    "QDQStats": ".qdq.stats",
+    "QDQReport": ".qdq.stats",
+    "verify_qdq": ".qdq.verify",
+    "compare_qdq": ".qdq.verify",
+    "QDQComparison": ".qdq.verify",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -35,6 +43,9 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from ._io import save_model
     from .errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning
+    from .qdq.export import export_qdq
+    from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
+    from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
     from .export import export_onnx
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx

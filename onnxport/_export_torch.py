@@ -49,6 +49,7 @@ def torch_to_onnx(
     input_names: list[str],
     output_names: list[str],
     dynamic_batch: bool,
+    custom_translation_table: dict | None = None,
 ) -> onnx.ModelProto:
     """Export with the dynamo exporter at ``max(opset_version, 18)`` and return the proto."""
     dynamic_shapes = None
@@ -79,6 +80,7 @@ def torch_to_onnx(
                 dynamic_shapes=dynamic_shapes,
                 verbose=False,
                 report=False,
+                custom_translation_table=custom_translation_table,
             )
     except Exception as error:  # the exporter raises many types; the cause is kept as __cause__
         cause = str(error).strip().splitlines()

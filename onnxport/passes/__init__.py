@@ -1,5 +1,16 @@
 """Small pure graph rewrites: each does one thing, is idempotent, and returns a new model."""
 
+from .conv_kernel_shape import add_conv_kernel_shape, convs_missing_kernel_shape
+from .fold_weight_transpose import fold_weight_transpose
 from .lower_opset import lower_opset
+from .strip_unused_opsets import strip_unused_opsets
+from .uint8_activations import activations_to_uint8
 
-__all__ = ["lower_opset"]
+__all__ = [
+    "activations_to_uint8",
+    "add_conv_kernel_shape",
+    "convs_missing_kernel_shape",
+    "fold_weight_transpose",
+    "lower_opset",
+    "strip_unused_opsets",
+]

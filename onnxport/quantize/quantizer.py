@@ -43,6 +43,7 @@ def _finish_pt2e(model: GraphModule, spec: QuantSpec) -> GraphModule:
     # module-stack tracer cannot be rebuilt that way, the plain fx tracer can.
     model._tracer_cls = None
     model._tracer_extras = {}
+    model.eval()
     return attach_spec(model, spec)
 
 

@@ -1,0 +1,111 @@
+"""Read-only helpers over ONNX graphs: constants, producers, consumers, constant shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+#: Ops that carry a weight from its constant to its reader without changing its shape.
+PASS_THROUGH = ("DequantizeLinear", "QuantizeLinear", "Cast", "Identity")
+
+
+def constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers and ``Constant`` node values, by output name (data not loaded)."""
+    found = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
+            for attr in node.attribute:
+                if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
+                    found[node.output[0]] = attr.t
+    return found
+
+
+def all_constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """Constants of the main graph and every subgraph: a subgraph may read its parent's."""
+    found: dict[str, onnx.TensorProto] = {}
+    for graph in walk_graphs(model.graph):
+        found.update(constants(graph))
+    return found
+
+
+def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {out: node for node in graph.node for out in node.output if out}
+
+
+def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Value name → the nodes reading it (a node reading it twice appears twice)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            if name:
+                readers.setdefault(name, []).append(node)
+    return readers
+
+
+def is_default_domain(node: onnx.NodeProto) -> bool:
+    return node.domain in DEFAULT_DOMAINS
+
+
+def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """The graph and every subgraph (If/Loop/Scan bodies) inside it, depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from walk_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from walk_graphs(g)
+
+
+def constant_dims(name: str, graph: onnx.GraphProto) -> list[int] | None:
+    """Dims of the constant a value comes from, through Q/DQ/Cast/Identity; None if not a constant."""
+    consts = constants(graph)
+    made_by = producers(graph)
+    seen: set[str] = set()
+    while name not in consts:
+        if name in seen or name not in made_by:
+            return None
+        seen.add(name)
+        node = made_by[name]
+        if node.op_type not in PASS_THROUGH or not node.input:
+            return None
+        name = node.input[0]
+    return list(consts[name].dims)
+
+
+def tensor_value(tensor: onnx.TensorProto, base_dir: str | Path | None = None) -> np.ndarray:
+    """A constant's values, reading external data from ``base_dir`` when it lives there."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor, str(base_dir or ""))
+    return numpy_helper.to_array(tensor)
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``… — the first not in ``taken`` (which is updated)."""
+    name, index = base, 0
+    while name in taken:
+        index += 1
+        name = f"{base}_{index}"
+    taken.add(name)
+    return name
+
+
+def all_names(model: onnx.ModelProto) -> set[str]:
+    """Every value, node and initializer name used anywhere in the model."""
+    names: set[str] = set()
+    for graph in walk_graphs(model.graph):
+        names.update(t.name for t in graph.initializer)
+        names.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
+        for node in graph.node:
+            names.update(node.input)
+            names.update(node.output)
+            if node.name:
+                names.add(node.name)
+    names.discard("")
+    return names

@@ -1,0 +1,119 @@
+"""Post-conditions a Q/DQ export must meet, checked on the produced graph."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from .._graph import all_constants, is_default_domain, walk_graphs
+from ..errors import ExportRefusedError
+
+QParams = tuple  # ("per_tensor", scale, zero_point, dtype) | ("per_channel", scales, zero_points, axis, dtype)
+
+_TORCH_TO_ONNX = {torch.int8: onnx.TensorProto.INT8, torch.uint8: onnx.TensorProto.UINT8,
+                  torch.int16: onnx.TensorProto.INT16, torch.uint16: onnx.TensorProto.UINT16,
+                  torch.int32: onnx.TensorProto.INT32}
+
+
+def pt2e_qdq_nodes(model: torch.nn.Module) -> list[torch.fx.Node]:
+    """The quantized_decomposed nodes of a pt2e graph module (empty for anything else)."""
+    graph = getattr(model, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return []
+    return [
+        n for n in graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
+    ]
+
+
+def _attr_tensor(model: torch.nn.Module, arg: object) -> torch.Tensor:
+    if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+        value = model
+        for part in str(arg.target).split("."):
+            value = getattr(value, part)
+        return value
+    return torch.as_tensor(arg)
+
+
+def model_qparams(model: torch.nn.Module) -> tuple[set[QParams], set[QParams]]:
+    """(activation quantizers, per-channel weight dequantizers) the PyTorch model carries."""
+    activations: set[QParams] = set()
+    weights: set[QParams] = set()
+    for node in pt2e_qdq_nodes(model):
+        name = node.target.__name__ if hasattr(node.target, "__name__") else str(node.target)
+        if name.startswith("quantize_per_tensor"):
+            scale, zp, _, _, dtype = node.args[1:6]
+            activations.add(("per_tensor", float(np.float32(scale)), int(zp), _TORCH_TO_ONNX[dtype]))
+        elif name.startswith("dequantize_per_channel"):
+            scales = _attr_tensor(model, node.args[1]).to(torch.float32).reshape(-1).tolist()
+            zps = _attr_tensor(model, node.args[2]).reshape(-1).tolist()
+            weights.add(("per_channel", tuple(scales), tuple(int(z) for z in zps), int(node.args[3]), _TORCH_TO_ONNX[node.args[6]]))
+    return activations, weights
+
+
+def file_qparams(model: onnx.ModelProto) -> tuple[set[QParams], set[QParams]]:
+    """The same two sets, read from an ONNX graph's QuantizeLinear and per-channel DequantizeLinear."""
+    activations: set[QParams] = set()
+    weights: set[QParams] = set()
+    consts = all_constants(model)
+    for graph in walk_graphs(model.graph):
+        for node in graph.node:
+            if not is_default_domain(node) or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+                continue
+            if node.input[1] not in consts or len(node.input) < 3 or node.input[2] not in consts:
+                continue
+            scale = numpy_helper.to_array(consts[node.input[1]]).astype(np.float32).reshape(-1)
+            zp_tensor = consts[node.input[2]]
+            zp = numpy_helper.to_array(zp_tensor).reshape(-1)
+            if node.op_type == "QuantizeLinear" and scale.size == 1:
+                activations.add(("per_tensor", float(scale[0]), int(zp[0]), zp_tensor.data_type))
+            elif node.op_type == "DequantizeLinear" and scale.size > 1:
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+                weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), axis, zp_tensor.data_type))
+    return activations, weights
+
+
+def check_faithful(produced: onnx.ModelProto, expected: tuple[set[QParams], set[QParams]]) -> None:
+    """Every scale, zero-point, type and axis of the model appears in the file, and nothing else."""
+    got = file_qparams(produced)
+    for kind, want, have in (("activation quantizer", expected[0], got[0]), ("per-channel weight", expected[1], got[1])):
+        if want != have:
+            missing, extra = len(want - have), len(have - want)
+            raise ExportRefusedError(
+                f"The exported file does not carry the model's {kind} parameters exactly: {missing} of the "
+                f"model's {len(want)} are missing from the file and {extra} in the file are not the model's; "
+                f"nothing was kept."
+            )
+
+
+def check_standard_qdq(produced: onnx.ModelProto) -> None:
+    """Q/DQ must be the standard ONNX operators, and no custom domain may remain."""
+    for graph in walk_graphs(produced.graph):
+        for node in graph.node:
+            if not is_default_domain(node):
+                raise ExportRefusedError(
+                    f"The exported graph has a {node.domain}::{node.op_type} node ('{node.name}'), not a standard "
+                    f"ONNX operator; nothing was kept."
+                )
+
+
+def activation_zero_points(model: torch.nn.Module) -> Iterable[int]:
+    for node in pt2e_qdq_nodes(model):
+        name = getattr(node.target, "__name__", str(node.target))
+        if name.startswith("quantize_per_tensor"):
+            yield int(node.args[2])
+
+
+def captured_with_dynamic_batch(model: torch.nn.Module) -> bool:
+    """True when every tensor input of the graph module has a symbolic first dimension."""
+    placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
+    dims = []
+    for node in placeholders:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dim():
+            dims.append(value.shape[0])
+    return bool(dims) and all(isinstance(d, torch.SymInt) for d in dims)

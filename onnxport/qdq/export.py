@@ -1,0 +1,174 @@
+"""``export_qdq``: a pt2e-quantized model to an ONNX file whose Q/DQ pairs are the model's own."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .. import _checks
+from .._io import check_output_path, staged_output, write_model
+from ..errors import ExportRefusedError, InvalidArgumentError
+from ..passes import (
+    activations_to_uint8,
+    add_conv_kernel_shape,
+    fold_weight_transpose,
+    lower_opset,
+    strip_unused_opsets,
+)
+from .checks import (
+    activation_zero_points,
+    captured_with_dynamic_batch,
+    check_faithful,
+    check_standard_qdq,
+    model_qparams,
+    pt2e_qdq_nodes,
+)
+from .stats import qdq_stats
+
+ACTIVATION_DTYPES = ("int8", "uint8")
+
+
+def _preconditions(model: Any, activation_dtype: str, dynamic_batch: bool) -> None:
+    from ..quantize.spec import quant_spec
+
+    if activation_dtype not in ACTIVATION_DTYPES:
+        raise InvalidArgumentError(
+            f"activation_dtype must be 'int8' (zero-point 0) or 'uint8' (zero-point 128), not {activation_dtype!r}."
+        )
+    spec = quant_spec(model)
+    if spec is not None and not spec.has_qdq_form:
+        raise InvalidArgumentError(
+            f"export_qdq cannot write this model: it was quantized {spec.describe()} with "
+            f"backend='{spec.backend}', and {spec.qdq_refusal()}. Quantize with Quantizer(backend='pt2e') "
+            f"for a Q/DQ file, or export the float model with export_onnx."
+        )
+    if not pt2e_qdq_nodes(model):
+        raise InvalidArgumentError(
+            f"export_qdq needs a pt2e-quantized model, and this {type(model).__name__} carries no "
+            f"quantize/dequantize operators: quantize it with Quantizer(backend='pt2e') first, or use "
+            f"export_onnx for a float (or ONNX Runtime-quantized) file."
+        )
+    if activation_dtype == "uint8":
+        nonzero = sorted({zp for zp in activation_zero_points(model) if zp != 0})
+        if nonzero:
+            raise InvalidArgumentError(
+                f"activation_dtype='uint8' moves zero-point 0 to 128, but this model's activations have "
+                f"zero-points {nonzero[:5]} (quantized with symmetric=False); export with activation_dtype='int8'."
+            )
+    if dynamic_batch and not captured_with_dynamic_batch(model):
+        raise InvalidArgumentError(
+            "dynamic_batch=True needs a model captured with a dynamic batch, and this one was captured "
+            "with a fixed batch size: quantize with Quantizer(...).quantize(model, data, dynamic_batch=True)."
+        )
+
+
+def export_qdq(
+    model: Any,
+    sample: Any,
+    output_path: str | os.PathLike,
+    *,
+    opset_version: int = 18,
+    activation_dtype: str = "int8",
+    dynamic_batch: bool = False,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+) -> Path:
+    """Export a quantized model to ONNX, keeping its Q/DQ node pairs intact — with
+    ``activation_dtype='uint8'`` the activation pairs are written with the same scales and
+    zero-point 128, and the weight pairs stay int8.
+
+    Args:
+        model: a model from ``Quantizer(backend='pt2e')`` (or any pt2e-converted graph module).
+        sample: example input(s): a tensor or a tuple of tensors, batch first.
+        output_path: the ``.onnx`` file; it receives a complete, checked file or is left as it was.
+        opset_version: the default-domain opset the file must declare (13 and up). The exporter
+            writes 18; older opsets are lowered and the lowered graph must run byte-identically.
+        activation_dtype: ``'int8'`` (zero-point 0, what TensorRT reads) or ``'uint8'``
+            (zero-point 128, same scales); weights stay int8 per channel either way.
+        dynamic_batch: write a symbolic batch dimension (the model must have been captured with
+            one: ``Quantizer.quantize(..., dynamic_batch=True)``, the default).
+        input_names, output_names: graph input/output names (defaults as ``export_onnx``).
+
+    Every promise is checked on the produced graph: standard Q/DQ operators only, the model's
+    exact scales, zero-points, types and axes, the declared opset, ``kernel_shape`` on every
+    Conv, the recorded placement, and a run in ONNX Runtime (at two batch sizes when dynamic).
+    """
+    import torch
+
+    from .._export_torch import check_names, torch_to_onnx
+    from .._inputs import as_input_tuple, flatten_outputs
+    from .._torch import eval_mode, require_module
+    from ..export import _validate_opset
+    from ..quantize.spec import quant_spec
+    from .translation import translation_table
+
+    require_module(model)
+    inputs = as_input_tuple(sample)
+    target = check_output_path(output_path)
+    opset_version = _validate_opset(opset_version)
+    _preconditions(model, activation_dtype, dynamic_batch)
+    expected = model_qparams(model)
+    with eval_mode(model), torch.no_grad():
+        n_outputs = len(flatten_outputs(model(*inputs)))
+    in_names = check_names(input_names, len(inputs), "input_names", "input")
+    out_names = check_names(output_names, n_outputs, "output_names", "output")
+    feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
+    spec = quant_spec(model)
+
+    with staged_output(target) as staged:
+        with eval_mode(model):
+            produced = torch_to_onnx(
+                model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
+                dynamic_batch=dynamic_batch, custom_translation_table=translation_table(),
+            )
+        check_standard_qdq(produced)
+        check_faithful(produced, expected)
+        graph = produced
+        if _checks.default_opset(produced) > opset_version:
+            graph = lower_opset(produced, opset_version)
+            _checks.check_lowered(graph, produced, feeds, scratch=staged.parent)
+        folded = fold_weight_transpose(graph)
+        if folded.graph.node != graph.graph.node:
+            _checks.check_identical_outputs(
+                _checks.run(folded, feeds, optimized=False, scratch=staged.parent),
+                _checks.run(graph, feeds, optimized=False, scratch=staged.parent),
+                "The graph with weight transposes folded",
+            )
+            graph = folded
+        graph = strip_unused_opsets(add_conv_kernel_shape(graph))
+        _checks.check_declared_opset(graph, opset_version)
+        if spec is not None and spec.placement == "skip_conv_add" and qdq_stats(graph).n_unquantized_conv_add == 0:
+            raise ExportRefusedError(
+                "The model records qdq_placement='skip_conv_add', but in the exported graph every Add reads its "
+                "inputs through a Q/DQ pair; nothing was kept."
+            )
+        if activation_dtype == "uint8":
+            graph = _to_uint8_checked(graph, feeds, staged.parent)
+        write_model(graph, staged)
+        onnx.checker.check_model(str(staged), full_check=True)
+        _checks.run(staged, feeds, optimized=True)
+        if dynamic_batch:
+            _checks.check_dynamic_batch(onnx.load_model(str(staged), load_external_data=False))
+            _checks.run(staged, {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()}, optimized=True)
+    return target
+
+
+def _to_uint8_checked(graph: onnx.ModelProto, feeds: dict[str, np.ndarray], scratch: Path) -> onnx.ModelProto:
+    """Move activations to uint8 and prove it: checker, byte-identical unoptimised run, default run."""
+    moved = activations_to_uint8(graph)
+    try:
+        onnx.checker.check_model(moved, full_check=True)
+    except onnx.checker.ValidationError as error:
+        raise ExportRefusedError(f"The uint8 graph fails onnx.checker: {error}; nothing was kept.") from error
+    _checks.check_identical_outputs(
+        _checks.run(moved, feeds, optimized=False, scratch=scratch),
+        _checks.run(graph, feeds, optimized=False, scratch=scratch),
+        "The graph with uint8 activations",
+    )
+    _checks.run(moved, feeds, optimized=True, scratch=scratch)
+    return moved

@@ -1,0 +1,207 @@
+"""``qdq_stats`` and ``qdq_report``: what a Q/DQ file actually contains (weights never loaded)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .._graph import all_constants, consumers, is_default_domain, producers, tensor_value, walk_graphs
+from ..errors import InvalidArgumentError, OnnxportError
+from ..passes.conv_kernel_shape import convs_missing_kernel_shape
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+#: Operators a convolution's result may pass through before its add (folded or fused epilogues).
+_EPILOGUES = ("Relu", "Clip", "BatchNormalization", "HardSwish", "HardSigmoid", "LeakyRelu", "Sigmoid")
+_COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+@dataclass(frozen=True, slots=True)
+class QDQStats:
+    """Quantization nodes found in an ONNX graph, and the conv→add edges that carry no pair.
+
+    Attributes:
+        n_quantize: standard-domain QuantizeLinear nodes (subgraphs included).
+        n_dequantize: standard-domain DequantizeLinear nodes.
+        n_per_channel: Q/DQ nodes whose scale holds more than one element (per-channel or blocked).
+        n_nonzero_zero_point: Q/DQ nodes whose zero-point has any element other than 0.
+        n_unquantized_conv_add: Add inputs that read a Conv directly or through its own epilogue
+            (ReLU, Clip, BatchNormalization, HardSwish…) — edges with no Q/DQ pair. 0 for a graph
+            without any Q/DQ node.
+        n_uint8: Q/DQ nodes whose zero-point is uint8.
+    """
+
+    n_quantize: int
+    n_dequantize: int
+    n_per_channel: int
+    n_nonzero_zero_point: int
+    n_unquantized_conv_add: int
+    n_uint8: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _load(onnx_path: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
+    if isinstance(onnx_path, onnx.ModelProto):
+        return onnx_path, None
+    if not isinstance(onnx_path, (str, os.PathLike)) or not Path(onnx_path).is_file():
+        raise InvalidArgumentError(f"onnx_path must name an existing ONNX file, not {onnx_path!r}.")
+    path = Path(onnx_path)
+    return onnx.load_model(str(path), load_external_data=False), path.parent
+
+
+def _name(node: onnx.NodeProto) -> str:
+    return node.name or f"{node.op_type}->{node.output[0]}"
+
+
+def _conv_add_edges(graph: onnx.GraphProto) -> int:
+    made_by = producers(graph)
+    readers = consumers(graph)
+    count = 0
+    for add in graph.node:
+        if add.op_type != "Add" or not is_default_domain(add):
+            continue
+        for name in add.input:
+            node = made_by.get(name)
+            while node is not None and node.op_type in _EPILOGUES and node.input and len(readers.get(node.output[0], [])) == 1:
+                node = made_by.get(node.input[0])
+            if node is not None and node.op_type == "Conv":
+                count += 1
+    return count
+
+
+def qdq_stats(onnx_path: str | os.PathLike | onnx.ModelProto) -> QDQStats:
+    """Count the Q/DQ nodes of an ONNX file and check their scales and zero-points.
+
+    Only the small scale and zero-point tensors are read; weights in external data stay on disk.
+    """
+    model, base = _load(onnx_path)
+    counts = Counter()
+    conv_add = 0
+    consts = all_constants(model)
+    for graph in walk_graphs(model.graph):
+        for node in graph.node:
+            if node.op_type not in QDQ_OPS or not is_default_domain(node):
+                continue
+            counts["q" if node.op_type == "QuantizeLinear" else "dq"] += 1
+            scale = consts.get(node.input[1])
+            if scale is None:
+                raise OnnxportError(f"Cannot read the scale of node '{_name(node)}': '{node.input[1]}' is not a graph constant.")
+            if int(np.prod(scale.dims)) > 1:
+                counts["per_channel"] += 1
+            if len(node.input) >= 3 and node.input[2]:
+                zp = consts.get(node.input[2])
+                if zp is None:
+                    raise OnnxportError(
+                        f"Cannot read the zero_point of node '{_name(node)}': '{node.input[2]}' is not a graph constant."
+                    )
+                if zp.data_type == onnx.TensorProto.UINT8:
+                    counts["uint8"] += 1
+                if np.any(tensor_value(zp, base) != 0):
+                    counts["nonzero"] += 1
+        conv_add += _conv_add_edges(graph)
+    if not counts["q"] + counts["dq"]:
+        conv_add = 0  # a float graph has no "unquantized" edges, only float ones
+    return QDQStats(counts["q"], counts["dq"], counts["per_channel"], counts["nonzero"], conv_add, counts["uint8"])
+
+
+@dataclass(frozen=True)
+class ComputeOp:
+    """One Conv/ConvTranspose/Gemm/MatMul and whether it runs between Q/DQ pairs."""
+
+    name: str
+    op_type: str
+    quantized: bool
+    why_float: str | None = None
+
+
+@dataclass(frozen=True)
+class QDQReport:
+    """What a deployment engineer reads to know why INT8 is slow or rejected."""
+
+    opset: int | None
+    stats: QDQStats
+    compute_ops: tuple[ComputeOp, ...]
+    zero_point_dtypes: dict[str, int]
+    missing_kernel_shape: tuple[str, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def float_ops(self) -> tuple[ComputeOp, ...]:
+        return tuple(op for op in self.compute_ops if not op.quantized)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stats"] = self.stats.as_dict()
+        data["float_ops"] = [asdict(op) for op in self.float_ops]
+        return data
+
+    def __str__(self) -> str:
+        quantized = sum(op.quantized for op in self.compute_ops)
+        lines = [
+            f"opset {self.opset}; {self.stats.n_quantize} QuantizeLinear, {self.stats.n_dequantize} DequantizeLinear "
+            f"({self.stats.n_per_channel} per-channel)",
+            f"zero-point types: {', '.join(f'{k} x{v}' for k, v in sorted(self.zero_point_dtypes.items())) or 'none'}; "
+            f"non-zero zero-points: {self.stats.n_nonzero_zero_point}",
+            f"compute ops between Q/DQ pairs: {quantized} of {len(self.compute_ops)}",
+        ]
+        by_type = Counter(op.op_type for op in self.compute_ops if op.quantized)
+        total = Counter(op.op_type for op in self.compute_ops)
+        lines += [f"  {t:<14} {by_type[t]:>4} / {total[t]}" for t in sorted(total)]
+        for op in self.float_ops[:20]:
+            lines.append(f"  float: {op.op_type} '{op.name}' — {op.why_float}")
+        if len(self.float_ops) > 20:
+            lines.append(f"  … and {len(self.float_ops) - 20} more float ops")
+        if self.stats.n_unquantized_conv_add:
+            lines.append(f"conv→add edges without a pair: {self.stats.n_unquantized_conv_add}")
+        if self.missing_kernel_shape:
+            lines.append(
+                f"Conv without kernel_shape (TensorRT's parser rejects these): {len(self.missing_kernel_shape)}"
+            )
+        for key, value in self.extra.items():
+            lines.append(f"{key}: {value}")
+        return "\n".join(lines)
+
+
+def _why_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], consts: dict[str, onnx.TensorProto]) -> str | None:
+    def dequantized(name: str) -> bool:
+        producer = made_by.get(name)
+        return producer is not None and producer.op_type == "DequantizeLinear"
+
+    if not dequantized(node.input[0]):
+        return "its input is not dequantized"
+    if len(node.input) > 1 and not dequantized(node.input[1]):
+        if node.op_type == "MatMul" and node.input[1] not in consts:
+            return "its second input is not dequantized"
+        return "its weight is not dequantized"
+    return None
+
+
+def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto) -> QDQReport:
+    """Which Conv/Gemm/MatMul run between Q/DQ pairs and which stay float, zero-point types,
+    the opset and the Convs missing ``kernel_shape``."""
+    model, _ = _load(onnx_path)
+    stats = qdq_stats(onnx_path)
+    ops: list[ComputeOp] = []
+    zp_types: Counter[str] = Counter()
+    missing: list[str] = []
+    consts = all_constants(model)
+    for graph in walk_graphs(model.graph):
+        made_by = producers(graph)
+        for node in graph.node:
+            if not is_default_domain(node):
+                continue
+            if node.op_type in _COMPUTE_OPS:
+                why = _why_float(node, made_by, consts)
+                ops.append(ComputeOp(_name(node), node.op_type, why is None, why))
+            elif node.op_type in QDQ_OPS and len(node.input) >= 3 and node.input[2] in consts:
+                zp_types[onnx.helper.tensor_dtype_to_np_dtype(consts[node.input[2]].data_type).name] += 1
+        missing += convs_missing_kernel_shape(graph)
+    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), None)
+    return QDQReport(opset, stats, tuple(ops), dict(zp_types), tuple(missing))

@@ -1,0 +1,71 @@
+"""The ONNX translation of pt2e's ``quantized_decomposed`` operators, for exporters that lack one.
+
+torch.onnx (with onnxscript's torchlib) translates these operators itself on current versions;
+this table is handed to the exporter only when that native translation is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_FULL_RANGE = {2: (0, 255), 3: (-128, 127), 4: (0, 65535), 5: (-32768, 32767)}  # ONNX dtype ids
+
+
+def pt2e_ops() -> list[Any]:
+    qd = torch.ops.quantized_decomposed
+    return [
+        qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default,
+        qd.quantize_per_channel.default, qd.dequantize_per_channel.default,
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def exporter_translates_pt2e() -> bool:
+    """True when torch.onnx's own registry translates every pt2e quantize/dequantize operator."""
+    try:
+        from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+        registry = ONNXRegistry.from_torchlib()
+        return all(registry.is_registered(op) for op in pt2e_ops())
+    except Exception:  # a private API that moved: hand over our table, which is always correct
+        return False
+
+
+def fallback_table() -> dict[Any, Any]:
+    """onnxscript functions for the four pt2e operators, honouring quant_min/quant_max and dtype."""
+    from onnxscript import opset18 as op
+
+    def _clip(q, quant_min: int, quant_max: int, dtype: int):
+        if _FULL_RANGE.get(dtype) == (quant_min, quant_max):
+            return q  # QuantizeLinear already saturates to the full range
+        return op.Clip(q, op.Cast(quant_min, to=dtype), op.Cast(quant_max, to=dtype))
+
+    def quantize_per_tensor(x, scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: int):
+        q = op.QuantizeLinear(x, op.CastLike(scale, x), op.Cast(zero_point, to=dtype))
+        return _clip(q, quant_min, quant_max, dtype)
+
+    def dequantize_per_tensor(x, scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: int):
+        return op.DequantizeLinear(x, op.Cast(scale, to=1), op.Cast(zero_point, to=dtype))
+
+    def quantize_per_channel(x, scales, zero_points, axis: int, quant_min: int, quant_max: int, dtype: int):
+        q = op.QuantizeLinear(x, op.CastLike(scales, x), op.Cast(zero_points, to=dtype), axis=axis)
+        return _clip(q, quant_min, quant_max, dtype)
+
+    def dequantize_per_channel(x, scales, zero_points, axis: int, quant_min: int, quant_max: int, dtype: int):
+        return op.DequantizeLinear(x, op.Cast(scales, to=1), op.Cast(zero_points, to=dtype), axis=axis)
+
+    qd = torch.ops.quantized_decomposed
+    return {
+        qd.quantize_per_tensor.default: quantize_per_tensor,
+        qd.dequantize_per_tensor.default: dequantize_per_tensor,
+        qd.quantize_per_channel.default: quantize_per_channel,
+        qd.dequantize_per_channel.default: dequantize_per_channel,
+    }
+
+
+def translation_table() -> dict[Any, Any] | None:
+    """The table to pass to torch.onnx.export: ``None`` where the native translation exists."""
+    return None if exporter_translates_pt2e() else fallback_table()

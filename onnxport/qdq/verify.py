@@ -1,0 +1,166 @@
+"""``verify_qdq`` and ``compare_qdq``: how closely a Q/DQ file follows the PyTorch model."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .._graph import constants, producers, tensor_value
+from ..errors import InvalidArgumentError, OnnxportWarning
+
+
+class VacuousCheckWarning(OnnxportWarning):
+    """The reference predicts one class for every input: agreement then proves nothing."""
+
+
+@dataclass(frozen=True)
+class QDQOutputComparison:
+    """One output: error in units of its last quantization step, cosine, top-1 agreement."""
+
+    name: str
+    max_abs_error: float
+    output_scale: float | None
+    max_error_in_steps: float | None
+    cosine_similarity: float
+    top1_agreement: float
+
+
+@dataclass(frozen=True)
+class QDQComparison:
+    outputs: tuple[QDQOutputComparison, ...]
+    n_samples: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"{'output':<16} {'max abs':>10} {'steps':>7} {'cosine':>9} {'top-1':>7}"]
+        for o in self.outputs:
+            steps = f"{o.max_error_in_steps:7.2f}" if o.max_error_in_steps is not None else "      -"
+            lines.append(f"{o.name:<16} {o.max_abs_error:>10.4g} {steps} {o.cosine_similarity:>9.6f} {o.top1_agreement:>7.2%}")
+        return "\n".join(lines)
+
+
+def _split(sample: Any, n_batches: Any) -> list[tuple]:
+    import torch
+
+    from .._inputs import as_input_tuple
+
+    inputs = as_input_tuple(sample)
+    if isinstance(n_batches, bool) or not isinstance(n_batches, int) or n_batches < 1:
+        raise InvalidArgumentError(f"n_batches must be a positive integer, not {n_batches!r}.")
+    total = inputs[0].shape[0] if inputs[0].dim() else 0
+    if total == 0:
+        raise InvalidArgumentError("sample is empty: there is nothing to compare.")
+    if any(t.shape[0] != total for t in inputs):
+        raise InvalidArgumentError("Every input in sample must have the same batch size.")
+    if total % n_batches:
+        raise InvalidArgumentError(
+            f"sample holds {total} inputs, which does not split into {n_batches} equal batches; "
+            f"pass an n_batches that divides {total}."
+        )
+    size = total // n_batches
+    return list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs)))
+
+
+def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> float | None:
+    """The scale of the last DequantizeLinear on the way to ``output`` (float ops may follow it)."""
+    graph = model.graph
+    made_by = producers(graph)
+    consts = constants(graph)
+    frontier, seen = [output], set()
+    while frontier:
+        name = frontier.pop(0)
+        if name in seen or name not in made_by:
+            continue
+        seen.add(name)
+        node = made_by[name]
+        if node.op_type == "DequantizeLinear" and node.input[1] in consts:
+            return float(np.max(tensor_value(consts[node.input[1]], base_dir)))
+        frontier.extend(i for i in node.input if i and i not in consts)
+    return None
+
+
+def compare_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1) -> QDQComparison:
+    """Compare every output of the ONNX file with the PyTorch model on ``sample``.
+
+    Args:
+        model: the (quantized) PyTorch model the file was exported from.
+        onnx_path: the ONNX file.
+        sample: a tensor or tuple of tensors, batch first.
+        n_batches: split ``sample`` into this many equal batches (a graph exported with a fixed
+            batch needs its own batch size).
+
+    Per output: max absolute error, that error in units of the scale of the last
+    DequantizeLinear before the output (how many quantization steps apart), cosine similarity,
+    and top-1 agreement along the last axis.
+    """
+    import torch
+
+    from .._inputs import flatten_outputs
+    from .._torch import eval_mode, require_module
+    from ..runtime import ONNXModel
+
+    require_module(model)
+    batches = _split(sample, n_batches)
+    runner = ONNXModel(onnx_path)
+    refs: list[list[np.ndarray]] = []
+    gots: list[list[np.ndarray]] = []
+    with eval_mode(model), torch.no_grad():
+        for batch in batches:
+            refs.append([t.detach().cpu().numpy() for t in flatten_outputs(model(*batch))])
+            gots.append(runner.run_numpy(*batch))
+    header = onnx.load_model(str(onnx_path), load_external_data=False)
+    base = os.path.dirname(os.fspath(onnx_path))
+    results = []
+    for index, name in enumerate(runner.output_names):
+        ref = np.concatenate([r[index] for r in refs]).astype(np.float64)
+        got = np.concatenate([g[index] for g in gots]).astype(np.float64)
+        max_abs = float(np.max(np.abs(ref - got))) if ref.size else 0.0
+        scale = _output_scale(header, name, base)
+        denom = float(np.linalg.norm(ref) * np.linalg.norm(got))
+        cosine = float(np.dot(ref.ravel(), got.ravel()) / denom) if denom else float(np.array_equal(ref, got))
+        top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1))) if ref.ndim >= 1 and ref.shape[-1] > 0 else 1.0
+        results.append(QDQOutputComparison(name, max_abs, scale, max_abs / scale if scale else None, cosine, top1))
+    return QDQComparison(tuple(results), sum(int(b[0].shape[0]) for b in batches))
+
+
+def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1) -> float:
+    """Fraction of inputs on which the ONNX graph and the PyTorch model predict the same class.
+
+    The class is the argmax over the last axis of the first output. ``sample`` is split into
+    ``n_batches`` equal batches. Warns (:class:`VacuousCheckWarning`) when the PyTorch model
+    predicts one class for every input, since agreement then proves nothing.
+    """
+    import torch
+
+    from .._inputs import flatten_outputs
+    from .._torch import eval_mode, require_module
+    from ..runtime import ONNXModel
+
+    require_module(model)
+    batches = _split(sample, n_batches)
+    runner = ONNXModel(onnx_path)
+    agreed = total = 0
+    classes: set[int] = set()
+    with eval_mode(model), torch.no_grad():
+        for batch in batches:
+            ref = flatten_outputs(model(*batch))[0].detach().cpu().numpy().argmax(-1)
+            got = runner.run_numpy(*batch)[0].argmax(-1)
+            agreed += int(np.sum(ref == got))
+            total += int(ref.size)
+            classes.update(np.unique(ref).tolist())
+    if len(classes) <= 1:
+        warnings.warn(
+            "The PyTorch model predicts a single class for every input, so this agreement is 1.0 whatever "
+            "the ONNX graph computes: the check is vacuous here. Use a trained model and inputs whose "
+            "predictions vary, or compare_qdq for the outputs themselves.",
+            VacuousCheckWarning,
+            stacklevel=2,
+        )
+    return agreed / total
