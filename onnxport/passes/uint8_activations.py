@@ -57,8 +57,8 @@ def activations_to_uint8(model: onnx.ModelProto) -> onnx.ModelProto:
         if zp_name not in consts:
             raise _refuse(f"the zero-point of node '{label}' is not a graph constant.")
         zp = numpy_helper.to_array(consts[zp_name])
-        if zp.dtype == np.uint8:
-            continue  # already moved
+        if zp.dtype in (np.uint8, np.uint16):
+            continue  # already unsigned (moved before, or quantized unsigned)
         if zp.dtype != np.int8 or np.any(zp != 0):
             raise _refuse(
                 f"the zero-point of node '{label}' is {zp.dtype.name} {zp.reshape(-1)[:4].tolist()}, not int8 0 "

@@ -101,11 +101,12 @@ def check_standard_qdq(produced: onnx.ModelProto) -> None:
                 )
 
 
-def activation_zero_points(model: torch.nn.Module) -> Iterable[int]:
+def activation_zero_points(model: torch.nn.Module) -> Iterable[tuple[int, torch.dtype]]:
+    """(zero-point, dtype) of every activation quantizer of a pt2e graph."""
     for node in pt2e_qdq_nodes(model):
         name = getattr(node.target, "__name__", str(node.target))
         if name.startswith("quantize_per_tensor"):
-            yield int(node.args[2])
+            yield int(node.args[2]), node.args[5]
 
 
 def captured_with_dynamic_batch(model: torch.nn.Module) -> bool:

@@ -29,11 +29,14 @@ from .checks import (
     pt2e_qdq_nodes,
 )
 from .stats import qdq_stats
+from .targets import TARGET_DEFAULTS, check_target
 
 ACTIVATION_DTYPES = ("int8", "uint8")
 
 
 def _preconditions(model: Any, activation_dtype: str, dynamic_batch: bool) -> None:
+    import torch
+
     from ..quantize.spec import quant_spec
 
     if activation_dtype not in ACTIVATION_DTYPES:
@@ -54,7 +57,7 @@ def _preconditions(model: Any, activation_dtype: str, dynamic_batch: bool) -> No
             f"export_onnx for a float (or ONNX Runtime-quantized) file."
         )
     if activation_dtype == "uint8":
-        nonzero = sorted({zp for zp in activation_zero_points(model) if zp != 0})
+        nonzero = sorted({zp for zp, dtype in activation_zero_points(model) if zp != 0 and dtype == torch.int8})
         if nonzero:
             raise InvalidArgumentError(
                 f"activation_dtype='uint8' moves zero-point 0 to 128, but this model's activations have "
@@ -72,8 +75,8 @@ def export_qdq(
     sample: Any,
     output_path: str | os.PathLike,
     *,
-    opset_version: int = 18,
-    activation_dtype: str = "int8",
+    opset_version: int | None = None,
+    activation_dtype: str | None = None,
     dynamic_batch: bool = False,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
@@ -86,22 +89,25 @@ def export_qdq(
         model: a model from ``Quantizer(backend='pt2e')`` (or any pt2e-converted graph module).
         sample: example input(s): a tensor or a tuple of tensors, batch first.
         output_path: the ``.onnx`` file; it receives a complete, checked file or is left as it was.
-        opset_version: the default-domain opset the file must declare (13 and up). The exporter
+        opset_version: the default-domain opset the file must declare (13 and up); ``None``
+            takes the model's target's (TensorRT 17, QNN A16W8 21, otherwise 18). The exporter
             writes 18; older opsets are lowered and the lowered graph must run byte-identically.
-        activation_dtype: ``'int8'`` (zero-point 0, what TensorRT reads) or ``'uint8'``
-            (zero-point 128, same scales); weights stay int8 per channel either way.
+        activation_dtype: ``'int8'`` (activations as quantized: zero-point 0 when symmetric,
+            what TensorRT reads) or ``'uint8'`` (int8 activation pairs move to zero-point 128,
+            same scales); weights stay int8 per channel either way. ``None`` takes the target's
+            (``'uint8'`` for ``'onnxruntime'`` and ``'qnn'``, else ``'int8'``).
         dynamic_batch: write a symbolic batch dimension (the model must have been captured with
             one: ``Quantizer.quantize(..., dynamic_batch=True)``, the default).
         input_names, output_names: graph input/output names (defaults as ``export_onnx``).
 
     Every promise is checked on the produced graph: standard Q/DQ operators only, the model's
     exact scales, zero-points, types and axes, the declared opset, ``kernel_shape`` on every
-    Conv, the recorded placement, and a run in ONNX Runtime (at two batch sizes when dynamic).
+    Conv, the recorded placement, the recorded target's rules (``check_target``), and a run in
+    ONNX Runtime (at two batch sizes when dynamic).
     """
-    import torch
 
     from .._export_torch import check_names, torch_to_onnx
-    from .._inputs import as_input_tuple, flatten_outputs
+    from .._inputs import as_input_tuple
     from .._torch import eval_mode, require_module
     from ..export import _validate_opset
     from ..quantize.spec import quant_spec
@@ -110,15 +116,19 @@ def export_qdq(
     require_module(model)
     inputs = as_input_tuple(sample)
     target = check_output_path(output_path)
-    opset_version = _validate_opset(opset_version)
+    spec = quant_spec(model)
+    preset = spec.target if spec is not None else None
+    default_dtype, default_opset = TARGET_DEFAULTS.get(preset, TARGET_DEFAULTS[None])
+    if spec is not None and spec.activation_bits == 16:
+        default_opset = 21  # uint16 Q/DQ exist from opset 21
+    activation_dtype = default_dtype if activation_dtype is None else activation_dtype
+    opset_version = _validate_opset(default_opset if opset_version is None else opset_version)
     _preconditions(model, activation_dtype, dynamic_batch)
     expected = model_qparams(model)
-    with eval_mode(model), torch.no_grad():
-        n_outputs = len(flatten_outputs(model(*inputs)))
+    n_outputs = _count_outputs(model, inputs)
     in_names = check_names(input_names, len(inputs), "input_names", "input")
     out_names = check_names(output_names, n_outputs, "output_names", "output")
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
-    spec = quant_spec(model)
 
     with staged_output(target) as staged:
         with eval_mode(model):
@@ -150,12 +160,33 @@ def export_qdq(
         if activation_dtype == "uint8":
             graph = _to_uint8_checked(graph, feeds, staged.parent)
         write_model(graph, staged)
-        onnx.checker.check_model(str(staged), full_check=True)
+        onnx.checker.check_model(str(staged))
+        if preset is not None:
+            problems = check_target(staged, preset)
+            if problems:
+                raise ExportRefusedError(
+                    f"The exported file breaks target '{preset}': " + " ".join(problems[:5])
+                    + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + " Nothing was kept."
+                )
         _checks.run(staged, feeds, optimized=True)
         if dynamic_batch:
             _checks.check_dynamic_batch(onnx.load_model(str(staged), load_external_data=False))
             _checks.run(staged, {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()}, optimized=True)
     return target
+
+
+def _count_outputs(model: Any, inputs: tuple) -> int:
+    """How many tensors the model returns, read from its graph (no forward pass needed)."""
+    import torch
+
+    from .._inputs import flatten_outputs
+
+    output = next((n for n in model.graph.nodes if n.op == "output"), None)
+    if output is not None:
+        leaves = torch.utils._pytree.tree_leaves(output.args[0])
+        return sum(1 for leaf in leaves if isinstance(leaf, torch.fx.Node))
+    with torch.no_grad():
+        return len(flatten_outputs(model(*inputs)))
 
 
 def _to_uint8_checked(graph: onnx.ModelProto, feeds: dict[str, np.ndarray], scratch: Path) -> onnx.ModelProto:

@@ -110,8 +110,18 @@ def epilogue(node: Node, is_qat: bool) -> list[Node]:
     return chain
 
 
+def _non_negative(node: Node) -> bool:
+    """A ReLU, or a hardtanh/clamp whose lower bound is at least 0 (ReLU6)."""
+    if node.target in (aten.relu.default, aten.relu_.default):
+        return True
+    if node.target in (aten.hardtanh.default, aten.hardtanh_.default):
+        low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
+        return float(low) >= 0
+    return False
+
+
 def _output_spec(ctx: AnnotationContext, producer: Node) -> QuantizationSpec:
-    if ctx.post_relu is not None and producer.target in (aten.relu.default, aten.relu_.default):
+    if ctx.post_relu is not None and _non_negative(producer):
         return ctx.post_relu
     return ctx.activation
 
@@ -159,7 +169,9 @@ def _conv_transpose(node: Node, ctx: AnnotationContext) -> None:
 def _binary(node: Node, ctx: AnnotationContext) -> None:
     if not is_float_tensor(node):
         return
-    inputs = {a: input_spec(a, ctx) for a in node.args[:2] if is_float_tensor(a)}
+    # A parameter added or multiplied in (a position embedding, a scale) stays float: it is no
+    # activation, and quantizing it as one would store a weight with activation parameters.
+    inputs = {a: input_spec(a, ctx) for a in node.args[:2] if is_float_tensor(a) and a.op != "get_attr"}
     if not inputs:
         return
     if node.target in ADD_OPS:

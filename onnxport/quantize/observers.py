@@ -49,14 +49,21 @@ class PercentileObserver(MinMaxObserver):
         return x_orig
 
 
-def activation_qspec(observer: str, symmetric: bool, is_qat: bool, unsigned: bool = False) -> QuantizationSpec:
-    """The spec of every activation: int8 per-tensor, zero-point 0 when symmetric.
+def activation_qspec(
+    observer: str, symmetric: bool, is_qat: bool, unsigned: bool = False, bits: int = 8
+) -> QuantizationSpec:
+    """The spec of an activation: per-tensor, int8 with zero-point 0 when symmetric.
 
-    The full int8 range [-128, 127] is used so that ONNX QuantizeLinear, which always saturates to
-    the full range, computes exactly what PyTorch computes. ``unsigned`` gives uint8 on [0, max].
+    The type's full range is used so that ONNX QuantizeLinear, which always saturates to the full
+    range, computes exactly what PyTorch computes. ``unsigned`` gives an affine uint8 (or uint16
+    with ``bits=16``) spec: a non-negative tensor (a ReLU output) then gets zero-point 0, the
+    type's minimum, which is what lets ONNX Runtime drop the ReLU.
     """
     qscheme = torch.per_tensor_symmetric if symmetric and not unsigned else torch.per_tensor_affine
-    dtype, qmin, qmax = (torch.uint8, 0, 255) if unsigned else (torch.int8, -128, 127)
+    if unsigned:
+        dtype, qmin, qmax = (torch.uint16, 0, 65535) if bits == 16 else (torch.uint8, 0, 255)
+    else:
+        dtype, qmin, qmax = (torch.int16, -32768, 32767) if bits == 16 else (torch.int8, -128, 127)
     if is_qat:
         ctr = FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAverageMinMaxObserver, eps=_EPS)
     else:

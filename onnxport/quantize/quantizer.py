@@ -24,6 +24,7 @@ BACKENDS = ("pt2e", "torchao")
 PT2E_METHODS = ("static", "qat")
 TORCHAO_METHODS = ("int8_weight_only", "int8_dynamic", "int4_weight_only")
 QSCHEMES = ("per_channel", "per_tensor")
+TARGETS = ("tensorrt", "onnxruntime", "qnn")
 
 
 class AffineActivationWarning(OnnxportWarning):
@@ -132,6 +133,14 @@ class Quantizer:
             or ``'skip_conv_add'`` (the residual branch's conv reaches its add unquantized).
         skip_activations: module names whose output activations stay float.
         group_size: weight group size of ``'int4_weight_only'``.
+        target: a deployment preset for pt2e (see the README's "choosing a target"):
+            ``'tensorrt'`` — int8, every zero-point 0, per-channel weights, Q/DQ on both add
+            inputs (the default behaviour, recorded as a target); ``'onnxruntime'`` — outputs of
+            ReLU/ReLU6 on the unsigned range [0, max] (uint8, zero-point 0, so ONNX Runtime drops
+            the ReLU and fuses every conv), other activations int8 symmetric (written as uint8
+            zero-point 128); ``'qnn'`` — uint8 affine activations (or uint16 with
+            ``activation_bits=16``), int8 per-channel weights.
+        activation_bits: 8, or 16 for ``target='qnn'`` (A16W8, exported at opset 21).
     """
 
     def __init__(
@@ -145,8 +154,25 @@ class Quantizer:
         qdq_placement: str = "per_op",
         skip_activations: Sequence[str] | None = None,
         group_size: int = 128,
+        target: str | None = None,
+        activation_bits: int = 8,
     ) -> None:
         self.backend = _choice(backend, BACKENDS, "backend")
+        self.target = None if target is None else _choice(target, TARGETS, "target")
+        if target is not None and backend != "pt2e":
+            raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
+        if activation_bits not in (8, 16) or (activation_bits == 16 and target != "qnn"):
+            raise InvalidArgumentError(
+                f"activation_bits must be 8, or 16 with target='qnn' (A16W8), not {activation_bits!r}."
+            )
+        self.activation_bits = activation_bits
+        if target == "tensorrt" and not symmetric:
+            raise InvalidArgumentError(
+                "target='tensorrt' needs symmetric activations (TensorRT rejects non-zero zero-points); "
+                "drop symmetric=False or choose target='qnn'."
+            )
+        if target == "qnn":
+            symmetric = False  # QNN reads affine unsigned activations
         if backend == "pt2e":
             self.method = _choice(method or "static", PT2E_METHODS, "method")
         else:
@@ -169,7 +195,7 @@ class Quantizer:
             raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
         self.group_size = group_size
         self.symmetric = bool(symmetric)
-        if not self.symmetric and backend == "pt2e":
+        if not self.symmetric and backend == "pt2e" and target != "qnn":
             warnings.warn(
                 "symmetric=False gives activations non-zero zero-points, which some consumers "
                 "(TensorRT) refuse; keep the default for TensorRT.",
@@ -181,7 +207,7 @@ class Quantizer:
         return (
             f"Quantizer(backend={self.backend!r}, method={self.method!r}, qscheme={self.qscheme!r}, "
             f"symmetric={self.symmetric}, observer={self.observer!r}, qdq_placement={self.qdq_placement!r}, "
-            f"skip_activations={self.skip_activations!r})"
+            f"skip_activations={self.skip_activations!r}, target={self.target!r})"
         )
 
     # -- the record ----------------------------------------------------------------------
@@ -189,9 +215,10 @@ class Quantizer:
         """The :class:`QuantSpec` this quantizer writes on the models it returns."""
         if self.backend == "pt2e":
             return QuantSpec(
-                backend="pt2e", method=self.method, weight_bits=8, activation_bits=8, qscheme=self.qscheme,
-                symmetric=self.symmetric, placement=self.qdq_placement,
-                skipped_modules=tuple(self.skip_activations), observer=self.observer if self.method == "static" else "fake_quant",
+                backend="pt2e", method=self.method, weight_bits=8, activation_bits=self.activation_bits,
+                qscheme=self.qscheme, symmetric=self.symmetric and self.target != "onnxruntime",
+                placement=self.qdq_placement, skipped_modules=tuple(self.skip_activations),
+                observer=self.observer if self.method == "static" else "fake_quant", target=self.target,
             )
         bits = 4 if self.method == "int4_weight_only" else 8
         return QuantSpec(
@@ -203,11 +230,18 @@ class Quantizer:
 
     def _pt2e_quantizer(self, is_qat: bool) -> _OnnxportPT2EQuantizer:
         per_channel = self.qscheme == "per_channel"
+        activation = activation_qspec(self.observer, self.symmetric, is_qat)
+        post_relu = None
+        if self.target == "qnn":
+            activation = activation_qspec(self.observer, False, is_qat, unsigned=True, bits=self.activation_bits)
+        elif self.target == "onnxruntime":
+            post_relu = activation_qspec(self.observer, False, is_qat, unsigned=True)
         ctx = AnnotationContext(
-            activation=activation_qspec(self.observer, self.symmetric, is_qat),
+            activation=activation,
             weight=weight_qspec(per_channel, is_qat, axis=0),
             weight_transposed=weight_qspec(per_channel, is_qat, axis=1),
             is_qat=is_qat,
+            post_relu=post_relu,
         )
         return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations)
 

@@ -1,0 +1,79 @@
+"""export_qdq on ResNet-18 (224×224): export time vs bare torch.onnx.export, and ORT latency of
+our int8/uint8 Q/DQ files vs the FP32 export and ONNX Runtime's own quantize_static file.
+
+    python -m bench.qdq_export
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench._timing import ops_after_ort_optimisation, ort_latency_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.models import ResNet18  # noqa: E402
+
+
+def run(out_dir: Path | None = None) -> dict:
+    from onnxport import Quantizer, export_onnx, export_qdq
+
+    out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-qdq-"))
+    torch.manual_seed(0)
+    model = ResNet18().eval()
+    calib = [torch.randn(8, 3, 224, 224) for _ in range(4)]
+    sample = torch.randn(8, 3, 224, 224)
+    quantized = Quantizer().quantize(model, calib)
+
+    # Same settings on both sides (dynamic batch, opset 18); median of three runs each.
+    bare, ours = [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        torch.onnx.export(quantized, (sample,), str(out / "bare.onnx"), dynamo=True, opset_version=18, verbose=False,
+                          dynamic_shapes=({0: torch.export.Dim("batch")},))
+        bare.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        files = {"qdq_int8": export_qdq(quantized, sample, out / "qdq_int8.onnx", dynamic_batch=True)}
+        ours.append(time.perf_counter() - start)
+    bare_s, ours_s = sorted(bare)[1], sorted(ours)[1]
+    files["qdq_uint8"] = export_qdq(quantized, sample, out / "qdq_uint8.onnx", activation_dtype="uint8", dynamic_batch=True)
+    files["fp32"] = export_onnx(model, sample, out / "fp32.onnx")
+    files["ort_quantize_static"] = export_onnx(
+        model, sample, out / "ort_static.onnx", quantize=True, quantize_mode="static", calibration_data=calib
+    )
+    results: dict = {"export_s": {"torch.onnx.export": bare_s, "export_qdq": ours_s, "ratio": ours_s / bare_s}, "files": {}}
+    for batch in (1, 8):
+        feeds = {"input": torch.randn(batch, 3, 224, 224).numpy()}
+        for name, path in files.items():
+            results["files"].setdefault(name, {})[f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds)
+    for name, path in files.items():
+        entry = results["files"][name]
+        ops = ops_after_ort_optimisation(str(path), str(out / f"ort_{name}.onnx"))
+        entry["ort_qlinearconv"] = ops.get("QLinearConv", 0)
+        for batch in (1, 8):
+            entry[f"batch{batch}_speedup"] = results["files"]["fp32"][f"batch{batch}_ms"] / entry[f"batch{batch}_ms"]
+    return results
+
+
+def report(results: dict) -> str:
+    e = results["export_s"]
+    lines = [
+        "export_qdq — ResNet-18 224x224 (pt2e defaults), ONNX Runtime CPU, median of 30 runs",
+        f"  export time: export_qdq {e['export_qdq']:.1f} s vs bare torch.onnx.export {e['torch.onnx.export']:.1f} s "
+        f"= {e['ratio']:.2f}x",
+        f"  {'file':<20} {'b1 ms':>8} {'b1 ×FP32':>9} {'b8 ms':>8} {'b8 ×FP32':>9} {'QLinearConv/20':>15}",
+    ]
+    for name, r in results["files"].items():
+        lines.append(
+            f"  {name:<20} {r['batch1_ms']:>8.2f} {r['batch1_speedup']:>8.2f}× {r['batch8_ms']:>8.2f} "
+            f"{r['batch8_speedup']:>8.2f}× {r['ort_qlinearconv']:>15}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(run()))

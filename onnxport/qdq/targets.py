@@ -1,0 +1,157 @@
+"""Deployment targets: the rules each consumer imposes on a Q/DQ file, checked on the file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from .._graph import all_constants, consumers, is_default_domain, tensor_value, walk_graphs
+from ..errors import InvalidArgumentError
+from ..passes.conv_kernel_shape import convs_missing_kernel_shape
+
+TARGETS = ("tensorrt", "onnxruntime", "qnn")
+
+#: What each preset exports by default: (activation_dtype, opset_version).
+TARGET_DEFAULTS = {"tensorrt": ("int8", 17), "onnxruntime": ("uint8", 18), "qnn": ("uint8", 18), None: ("int8", 18)}
+
+_TENSORRT_MAX_OPSET = 17  # the opset every TensorRT 8.6+ parser reads
+_ORT_INT8 = {"QLinearConv": "Conv", "QGemm": "Gemm", "QLinearMatMul": "MatMul", "MatMulIntegerToFloat": "MatMul",
+             "QLinearAdd": "Add", "ConvInteger": "Conv", "MatMulInteger": "MatMul"}
+_ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": "Gemm", "FusedGemm": "Gemm",
+              "MatMul": "MatMul", "FusedMatMul": "MatMul", "Add": "Add"}
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return f"{node.op_type} '{node.name or node.output[0]}'"
+
+
+def _qdq_nodes(model: onnx.ModelProto):
+    for graph in walk_graphs(model.graph):
+        for node in graph.node:
+            if is_default_domain(node) and node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                yield graph, node
+
+
+def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) -> list[str]:
+    """Every way the file breaks ``target``'s rules, in plain words; an empty list when none.
+
+    ``'tensorrt'``: zero-points all 0 and signed, opset at most 17, ``kernel_shape`` on every
+    Conv, no DequantizeLinear of an int32 bias. ``'onnxruntime'``: activations uint8 (U8S8),
+    weights int8, no ReLU/Clip between a producer and a Q whose range does not start at 0 (ORT
+    keeps such a ReLU and runs the conv in float). ``'qnn'``: activations uint8 or uint16, weights
+    int8 with zero-point 0, uint16 only at opset 21 or later.
+    """
+    if target not in TARGETS:
+        raise InvalidArgumentError(f"target must be one of {', '.join(map(repr, TARGETS))}, not {target!r}.")
+    if isinstance(onnx_path, onnx.ModelProto):
+        model, base = onnx_path, None
+    else:
+        model, base = onnx.load_model(str(onnx_path), load_external_data=False), Path(onnx_path).parent
+    consts = all_constants(model)
+    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0)
+    problems: list[str] = []
+
+    def zero_point(node: onnx.NodeProto) -> tuple[np.ndarray | None, int | None]:
+        if len(node.input) < 3 or not node.input[2] or node.input[2] not in consts:
+            return None, None
+        tensor = consts[node.input[2]]
+        return tensor_value(tensor, base), tensor.data_type
+
+    weight_values = _weight_inputs(model)
+    activation_types: Counter[int] = Counter()
+    for graph, node in _qdq_nodes(model):
+        zp, dtype = zero_point(node)
+        of_constant = node.op_type == "DequantizeLinear" and node.input[0] in consts
+        is_weight = of_constant and node.output[0] in weight_values
+        if not is_weight and dtype is not None:
+            activation_types[dtype] += 1
+        if target == "tensorrt":
+            if zp is not None and np.any(zp != 0):
+                problems.append(f"{_label(node)} has a non-zero zero-point; TensorRT needs every zero-point 0.")
+            if dtype in (onnx.TensorProto.UINT8, onnx.TensorProto.UINT16):
+                problems.append(f"{_label(node)} is unsigned; TensorRT rejects UINT8 QuantizeLinear/DequantizeLinear.")
+            if of_constant and consts[node.input[0]].data_type == onnx.TensorProto.INT32:
+                problems.append(f"{_label(node)} dequantizes an int32 bias, which TensorRT's parser rejects.")
+        elif is_weight and dtype is not None and dtype != onnx.TensorProto.INT8:
+            problems.append(f"{_label(node)} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; {target} wants int8 weights.")
+        elif is_weight and target == "qnn" and zp is not None and np.any(zp != 0):
+            problems.append(f"{_label(node)} has a weight zero-point other than 0; QNN wants symmetric weights.")
+    if target == "tensorrt":
+        if opset > _TENSORRT_MAX_OPSET:
+            problems.append(f"the file declares opset {opset}; export at opset {_TENSORRT_MAX_OPSET} for TensorRT's parser.")
+        for graph in walk_graphs(model.graph):
+            problems += [f"Conv '{n}' has no kernel_shape, which TensorRT's parser needs." for n in convs_missing_kernel_shape(graph)]
+    elif target == "onnxruntime":
+        if activation_types[onnx.TensorProto.INT8]:
+            problems.append(
+                f"{activation_types[onnx.TensorProto.INT8]} activation Q/DQ node(s) are int8; ONNX Runtime's CPU runs "
+                f"U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'."
+            )
+        problems += _ort_unfoldable_relus(model, consts, base)
+    elif target == "qnn":
+        if activation_types[onnx.TensorProto.INT8] or activation_types[onnx.TensorProto.INT16]:
+            problems.append("some activation pairs are signed; QNN reads uint8 (or uint16) activations.")
+        if activation_types[onnx.TensorProto.UINT16] and opset < 21:
+            problems.append(f"uint16 activations need opset 21, and the file declares {opset}.")
+    return problems
+
+
+def _weight_inputs(model: onnx.ModelProto) -> set[str]:
+    """Values read as the weight (input 1) of a Conv, ConvTranspose, Gemm or MatMul."""
+    return {
+        node.input[1]
+        for graph in walk_graphs(model.graph)
+        for node in graph.node
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(node.input) > 1
+    }
+
+
+def _ort_unfoldable_relus(model: onnx.ModelProto, consts: dict, base: Path | None) -> list[str]:
+    problems = []
+    for graph in walk_graphs(model.graph):
+        readers = consumers(graph)
+        for node in graph.node:
+            if node.op_type not in ("Relu", "Clip") or not is_default_domain(node):
+                continue
+            for q in readers.get(node.output[0], []):
+                if q.op_type != "QuantizeLinear" or len(q.input) < 3 or q.input[2] not in consts:
+                    continue
+                tensor = consts[q.input[2]]
+                zp = tensor_value(tensor, base)
+                lowest = np.iinfo(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).min
+                if np.any(zp != lowest):
+                    problems.append(
+                        f"{_label(node)} feeds {_label(q)} whose range does not start at 0 (zero-point "
+                        f"{zp.reshape(-1)[0]}); ONNX Runtime keeps the {node.op_type} and runs its producer in float. "
+                        f"Quantize with Quantizer(target='onnxruntime')."
+                    )
+    return problems
+
+
+def ort_int8_counts(onnx_path: str | os.PathLike) -> dict[str, dict[str, int]]:
+    """How many Conv/Gemm/MatMul/Add ONNX Runtime runs in INT8 after its own optimisation.
+
+    Read from the optimised graph ORT writes (default level, CPU provider). Returns
+    ``{op: {"int8": n, "float": m}}``.
+    """
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as scratch:
+        optimised = Path(scratch) / "optimised.onnx"
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(optimised)
+        options.log_severity_level = 3  # saving an NCHWc-optimised graph warns that it is machine-specific
+        ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load_model(str(optimised), load_external_data=False).graph
+        counts: dict[str, dict[str, int]] = {op: {"int8": 0, "float": 0} for op in ("Conv", "Gemm", "MatMul", "Add")}
+        for node in graph.node:
+            if node.op_type in _ORT_INT8:
+                counts[_ORT_INT8[node.op_type]]["int8"] += 1
+            elif node.op_type in _ORT_FLOAT:
+                counts[_ORT_FLOAT[node.op_type]]["float"] += 1
+    return counts

@@ -1,0 +1,188 @@
+"""Deployment presets: each file passes its own target's rules and runs as the target expects."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxport import Quantizer, check_target, export_qdq, qdq_report, quant_spec, verify_qdq
+from onnxport.errors import ExportRefusedError, InvalidArgumentError
+from onnxport.qdq.targets import ort_int8_counts
+from tests.conftest import listing
+from tests.models import MobileNetV2Small, ResNet18, TinyTransformer
+
+TARGETS = ("tensorrt", "onnxruntime", "qnn")
+
+
+@pytest.fixture(scope="module")
+def preset_files(tmp_path_factory):
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("targets")
+    cases = {
+        "resnet": (ResNet18(num_classes=10).eval(), torch.randn(4, 3, 32, 32)),
+        "mobilenet": (MobileNetV2Small().eval(), torch.randn(4, 3, 32, 32)),
+        "transformer": (TinyTransformer().eval(), torch.randint(0, 100, (4, 16))),
+    }
+    files = {}
+    for name, (model, sample) in cases.items():
+        for target in TARGETS:
+            q = Quantizer(target=target).quantize(model, [sample])
+            files[name, target] = export_qdq(q, sample, out / f"{name}_{target}.onnx")
+    return files
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", ["resnet", "mobilenet", "transformer"])
+def test_each_preset_passes_its_own_rules(preset_files, name, target):
+    path = preset_files[name, target]
+    assert check_target(path, target) == []
+    opset = next(e.version for e in onnx.load(str(path)).opset_import if e.domain == "")
+    assert opset == (17 if target == "tensorrt" else 18)
+
+
+@pytest.mark.parametrize("name, convs", [("resnet", 20), ("mobilenet", 19)])
+def test_onnxruntime_preset_runs_every_conv_and_add_in_int8(preset_files, name, convs):
+    counts = ort_int8_counts(preset_files[name, "onnxruntime"])
+    assert counts["Conv"] == {"int8": convs, "float": 0}
+    assert counts["Add"]["float"] == 0 and counts["Gemm"] == {"int8": 1, "float": 0}
+    report = qdq_report(preset_files[name, "onnxruntime"])
+    assert report.extra["ort_int8"]["Conv"]["int8"] == convs
+    assert f"Conv {convs}/{convs}" in str(report)
+    # the TensorRT file, read by ORT, keeps most convs in float: the reason presets exist
+    assert ort_int8_counts(preset_files[name, "tensorrt"])["Conv"]["float"] > 0
+
+
+def test_presets_disagree_where_they_must(preset_files):
+    assert check_target(preset_files["resnet", "onnxruntime"], "tensorrt")  # uint8: TensorRT refuses
+    assert check_target(preset_files["resnet", "tensorrt"], "onnxruntime")  # int8 activations, ReLU kept
+    assert check_target(preset_files["resnet", "tensorrt"], "qnn")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_preset_agrees_with_pytorch_on_the_trained_classifier(trained, tmp_path, target):
+    model, (x, y) = trained
+    q = Quantizer(target=target).quantize(model, [(x[i : i + 64], y[i : i + 64]) for i in range(0, 256, 64)])
+    assert quant_spec(q).target == target
+    path = export_qdq(q, x[:8], tmp_path / "m.onnx", dynamic_batch=True)
+    assert verify_qdq(q, path, x) >= 0.99
+
+
+def test_qnn_a16w8_at_opset_21(tmp_path):
+    torch.manual_seed(0)
+    model = ResNet18(num_classes=10).eval()
+    sample = torch.randn(4, 3, 32, 32)
+    q = Quantizer(target="qnn", activation_bits=16).quantize(model, [sample])
+    assert quant_spec(q).activation_bits == 16
+    path = export_qdq(q, sample, tmp_path / "a16.onnx")
+    report = qdq_report(path, ort=False)
+    assert report.opset == 21 and report.zero_point_dtypes == {"int8": 21, "uint16": 66}
+    assert check_target(path, "qnn") == []
+
+
+def test_export_refuses_a_file_that_breaks_its_target(tmp_path):
+    torch.manual_seed(0)
+    sample = torch.randn(4, 3, 32, 32)
+    q = Quantizer(target="tensorrt").quantize(ResNet18(num_classes=10).eval(), [sample])
+    previous = tmp_path / "m.onnx"
+    previous.write_bytes(b"previous")
+    before = listing(tmp_path)
+    with pytest.raises(ExportRefusedError, match="breaks target 'tensorrt'.*unsigned"):
+        export_qdq(q, sample, previous, activation_dtype="uint8")
+    with pytest.raises(ExportRefusedError, match="opset 18"):
+        export_qdq(q, sample, previous, opset_version=18)
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"target": "openvino"}, "target must be one of 'tensorrt', 'onnxruntime', 'qnn'"),
+        ({"target": "tensorrt", "symmetric": False}, "needs symmetric activations"),
+        ({"activation_bits": 16}, "activation_bits must be 8, or 16 with target='qnn'"),
+        ({"backend": "torchao", "method": "int8_weight_only", "target": "qnn"}, "pt2e preset"),
+    ],
+)
+def test_bad_presets(kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        Quantizer(**kwargs)
+
+
+# -- check_target on hand-built graphs that break each rule ------------------------------------------
+def _model(nodes, inits, opset=18, out_shape=None):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _c(name, value):
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _conv_graph(act_zp, act_dtype=np.int8, weight_zp=0, weight_dtype=np.int8, relu=False, kernel_shape=True,
+                int32_bias=False, opset=18):
+    inits = [_c("s", np.float32(0.1)), _c("z", act_dtype(act_zp)),
+             _c("w", np.ones((2, 2, 1, 1), weight_dtype)), _c("ws", np.full(2, 0.1, np.float32)),
+             _c("wz", np.full(2, weight_zp, weight_dtype))]
+    nodes = [helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0, name="dq_w")]
+    conv_inputs = ["xd", "wd"]
+    if int32_bias:
+        inits += [_c("b", np.zeros(2, np.int32)), _c("bs", np.full(2, 0.01, np.float32))]
+        nodes.append(helper.make_node("DequantizeLinear", ["b", "bs"], ["bd"], axis=0, name="dq_bias"))
+        conv_inputs.append("bd")
+    attrs = {"kernel_shape": [1, 1]} if kernel_shape else {}
+    nodes += [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q_x"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq_x"),
+        helper.make_node("Conv", conv_inputs, ["c"], name="conv", **attrs),
+    ]
+    last = "c"
+    if relu:
+        nodes.append(helper.make_node("Relu", ["c"], ["r"], name="relu"))
+        last = "r"
+    nodes += [helper.make_node("QuantizeLinear", [last, "s", "z"], ["yq"], name="q_y"),
+              helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["y"], name="dq_y")]
+    return _model(nodes, inits, opset)
+
+
+def test_a_clean_tensorrt_graph_passes():
+    assert check_target(_conv_graph(0, opset=17), "tensorrt") == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"act_zp": 3}, "non-zero zero-point"),
+        ({"act_zp": 128, "act_dtype": np.uint8}, "unsigned"),
+        ({"act_zp": 0, "opset": 18}, "opset 18"),
+        ({"act_zp": 0, "kernel_shape": False}, "no kernel_shape"),
+        ({"act_zp": 0, "int32_bias": True}, "int32 bias"),
+    ],
+)
+def test_tensorrt_rules(kwargs, message):
+    opset = kwargs.pop("opset", 17)
+    problems = check_target(_conv_graph(opset=opset, **kwargs), "tensorrt")
+    assert any(message in p for p in problems), problems
+
+
+def test_onnxruntime_rules():
+    assert check_target(_conv_graph(0, np.uint8, relu=True), "onnxruntime") == []
+    int8 = check_target(_conv_graph(0), "onnxruntime")
+    assert any("int8" in p and "activation_dtype='uint8'" in p for p in int8)
+    kept_relu = check_target(_conv_graph(128, np.uint8, relu=True), "onnxruntime")
+    assert any("Relu 'relu' feeds QuantizeLinear 'q_y'" in p for p in kept_relu)
+
+
+def test_qnn_rules():
+    assert check_target(_conv_graph(7, np.uint8), "qnn") == []
+    assert any("signed" in p for p in check_target(_conv_graph(0), "qnn"))
+    assert any("opset 21" in p for p in check_target(_conv_graph(7, np.uint16), "qnn"))
+    assert check_target(_conv_graph(7, np.uint16, opset=21), "qnn") == []
+    assert any("weight zero-point" in p for p in check_target(_conv_graph(7, np.uint8, weight_zp=1), "qnn"))
+    assert any("UINT8" in p for p in check_target(_conv_graph(7, np.uint8, weight_dtype=np.uint8), "qnn"))
+    with pytest.raises(InvalidArgumentError, match="target must be one of"):
+        check_target(_conv_graph(0), "coreml")
