@@ -36,6 +36,9 @@ _EXPORTS = {
     "verify_qdq": ".qdq.verify",
     "compare_qdq": ".qdq.verify",
     "QDQComparison": ".qdq.verify",
+    "check_target": ".qdq.targets",
+    "encodings_to_onnx_qdq": ".encodings",
+    "onnx_qdq_to_encodings": ".encodings",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -45,8 +48,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning
     from .qdq.export import export_qdq
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
+    from .qdq.targets import check_target
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
+    from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings
     from .export import export_onnx
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
 

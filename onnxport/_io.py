@@ -67,6 +67,76 @@ def needs_external_data(model: onnx.ModelProto) -> bool:
     return _tensor_bytes(model) >= PROTOBUF_LIMIT - 64 * 1024 * 1024
 
 
+_EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
+_CHUNK = 64 * 1024 * 1024
+
+
+def _all_initializers(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    from ._graph import walk_graphs
+
+    for graph in walk_graphs(model.graph):
+        yield from graph.initializer
+
+
+def has_unloaded_external_data(model: onnx.ModelProto) -> bool:
+    """True when some tensor still refers to an external file that was never loaded."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in _all_initializers(model))
+
+
+def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
+    """Write a model whose weights are partly still on disk, copying them tensor by tensor.
+
+    The source folder comes from the model's ``onnxport.external_data_dir`` metadata (set by
+    ``encodings_to_onnx_qdq`` when it loaded a model without its weights). Memory stays at one
+    chunk of weights, whatever the model's size.
+    """
+    props = {p.key: p.value for p in model.metadata_props}
+    base = props.get(_EXTERNAL_BASE_KEY)
+    if base is None:
+        raise InvalidArgumentError(
+            "The model refers to external weights that were never loaded and does not say where they live; "
+            "load it with onnx.load(path) (weights included) before saving it elsewhere."
+        )
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    keep = [p for p in copy.metadata_props if p.key != _EXTERNAL_BASE_KEY]
+    del copy.metadata_props[:]
+    copy.metadata_props.extend(keep)
+    data_name = path.name + ".data"
+    offset = 0
+    with open(path.parent / data_name, "wb") as out:
+        for tensor in _all_initializers(copy):
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in tensor.external_data}
+                length = int(info.get("length", -1))
+                with open(Path(base) / info["location"], "rb") as source:
+                    source.seek(int(info.get("offset", 0)))
+                    remaining = length if length >= 0 else None
+                    start = offset
+                    while remaining is None or remaining > 0:
+                        chunk = source.read(_CHUNK if remaining is None else min(_CHUNK, remaining))
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        offset += len(chunk)
+                        if remaining is not None:
+                            remaining -= len(chunk)
+                size = offset - start
+            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= _EXTERNAL_SIZE_THRESHOLD:
+                start, size = offset, len(tensor.raw_data)
+                out.write(tensor.raw_data)
+                offset += size
+                tensor.ClearField("raw_data")
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+            else:
+                continue
+            del tensor.external_data[:]
+            for key, value in (("location", data_name), ("offset", str(start)), ("length", str(size))):
+                tensor.external_data.add(key=key, value=value)
+    onnx.save_model(copy, str(path))
+    return path
+
+
 def write_model(
     model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None
 ) -> Path:
@@ -78,6 +148,8 @@ def write_model(
     is too large for one protobuf; ``True`` or ``False`` forces the choice.
     """
     path = Path(path)
+    if has_unloaded_external_data(model):
+        return _write_streaming(model, path)
     if external_data is None:
         external_data = needs_external_data(model)
     if external_data:

@@ -1,0 +1,480 @@
+"""``encodings_to_onnx_qdq``: an ONNX model plus AIMET encodings → an ONNX Q/DQ model, exactly."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .._graph import all_names, unique_name, walk_graphs
+from ..errors import InvalidArgumentError, OnnxportWarning
+from .axes import TensorInfo, resolve
+from .formats import DTYPES, Encoding, ScaleMeta, is_integer, load_encodings, parse_encodings, signed_twin, unsigned_twin
+
+#: metadata key under which a converted model remembers where its unloaded external weights live.
+EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
+FORCE_CHOICES = ("unsigned", "signed", None)
+
+NUMPY_TYPES = {
+    "int2": ml_dtypes.int2, "uint2": ml_dtypes.uint2, "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4,
+    "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "int32": np.int32,
+    "float8e4m3fn": ml_dtypes.float8_e4m3fn, "float8e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8e5m2": ml_dtypes.float8_e5m2, "float8e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "float4e2m1": ml_dtypes.float4_e2m1fn,
+}
+_REJECTED_FLOATS = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
+                    onnx.TensorProto.DOUBLE: "float64"}
+
+
+class OmittedEncodingsWarning(OnnxportWarning):
+    """float16/bfloat16 entries are plain casts with no Q/DQ form; they were left out."""
+
+
+# -- the model -------------------------------------------------------------------------------------
+def _load_model(model: Any) -> tuple[onnx.ModelProto, Path | None]:
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        base = next((p.value for p in model.metadata_props if p.key == EXTERNAL_BASE_KEY), None)
+        return copy, Path(base) if base else None
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if not path.is_file():
+            raise InvalidArgumentError(f"model '{path}' is not an ONNX file that exists.")
+        # Weights in external data stay on disk: only their names and shapes are needed.
+        return onnx.load_model(str(path), load_external_data=False), path.parent
+    raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path to an .onnx file, not {type(model).__name__}.")
+
+
+def _float_gate(model: onnx.ModelProto) -> None:
+    """Only float32 graphs: a float16/bfloat16/float64 tensor anywhere (subgraphs too) is refused."""
+
+    def refuse(what: str, dtype: int) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"encodings_to_onnx_qdq converts float32 models, and {what} is {_REJECTED_FLOATS[dtype]}; "
+            f"convert the model to float32 first."
+        )
+
+    for graph in walk_graphs(model.graph):
+        for value in [*graph.input, *graph.output, *graph.value_info]:
+            if value.type.tensor_type.elem_type in _REJECTED_FLOATS:
+                raise refuse(f"tensor '{value.name}'", value.type.tensor_type.elem_type)
+        for tensor in graph.initializer:
+            if tensor.data_type in _REJECTED_FLOATS:
+                raise refuse(f"initializer '{tensor.name}'", tensor.data_type)
+        for node in graph.node:
+            for attr in node.attribute:
+                if node.op_type == "Cast" and attr.name == "to" and attr.i in _REJECTED_FLOATS:
+                    raise refuse(f"the output of Cast node '{node.name or node.output[0]}'", attr.i)
+                if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type in _REJECTED_FLOATS:
+                    raise refuse(f"the value of {node.op_type} node '{node.name or node.output[0]}'", attr.t.data_type)
+
+
+def _shape_of(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
+    tensor_type = value.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return None
+    dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
+    return None if any(d < 0 for d in dims) else dims
+
+
+#: Names computed in more than one body (an If's two branches may reuse a name): the extra
+#: definitions, filled by the last ``_index`` call.
+_DEFINED_ELSEWHERE: dict[str, list[TensorInfo]] = {}
+
+
+def _index(model: onnx.ModelProto) -> tuple[dict[str, TensorInfo], dict[str, list[tuple[onnx.NodeProto, int]]]]:
+    """Every tensor the encodings may name (subgraphs included), and who reads each one."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+        known = {v.name: v for v in [*inferred.value_info, *inferred.input, *inferred.output]}
+    except Exception:  # shape inference is a help for checks, never a requirement
+        known = {}
+    info: dict[str, TensorInfo] = {}
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    defined: dict[str, list[TensorInfo]] = {}
+    for graph in walk_graphs(model.graph):
+        local = {v.name: v for v in [*graph.input, *graph.output, *graph.value_info]}
+        for tensor in graph.initializer:
+            info[tensor.name] = TensorInfo(tensor.name, graph, True, tuple(tensor.dims), tensor.data_type)
+        for value in graph.input:
+            if value.name not in info:
+                info[value.name] = TensorInfo(value.name, graph, False, _shape_of(value), value.type.tensor_type.elem_type)
+        for node in graph.node:
+            for index, name in enumerate(node.input):
+                if name:
+                    readers.setdefault(name, []).append((node, index))
+            if node.op_type == "Constant":
+                value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+                if value is not None:
+                    info[node.output[0]] = TensorInfo(node.output[0], graph, True, tuple(value.dims), value.data_type)
+                    continue
+            for name in node.output:
+                if not name:
+                    continue
+                meta = local.get(name) or known.get(name)
+                entry = TensorInfo(
+                    name, graph, False, _shape_of(meta) if meta else None,
+                    meta.type.tensor_type.elem_type if meta and meta.type.tensor_type.elem_type else None,
+                )
+                defined.setdefault(name, []).append(entry)
+                info.setdefault(name, entry)
+    _DEFINED_ELSEWHERE.clear()
+    _DEFINED_ELSEWHERE.update({k: v[1:] for k, v in defined.items() if len(v) > 1})
+    return info, readers
+
+
+# -- force_activation_as -----------------------------------------------------------------------------
+def _force(entry: Encoding, how: str | None) -> Encoding:
+    if how is None or not is_integer(entry.dtype):
+        return entry
+    if entry.dtype == "int32":
+        raise InvalidArgumentError(
+            f"Encoding of '{entry.name}': an int32 activation has no QuantizeLinear (int32 is dequantize-only, "
+            f"for biases); quantize that activation with 8 or 16 bits."
+        )
+    bits = int("".join(c for c in entry.dtype if c.isdigit()))
+    shift = 2 ** (bits - 1)
+    zero = np.zeros(np.shape(entry.scale if entry.scale is not None else entry.meta.x), np.int64)
+    zp = entry.zero_point if entry.zero_point is not None else zero
+    if how == "unsigned" and not entry.dtype.startswith("u"):
+        return entry.with_(dtype=unsigned_twin(entry.dtype), zero_point=zp + shift)
+    if how == "signed" and entry.dtype.startswith("u"):
+        moved = zp - shift
+        return entry.with_(dtype=signed_twin(entry.dtype), zero_point=moved if np.any(moved) else None)
+    return entry
+
+
+# -- values ------------------------------------------------------------------------------------------
+def _constant_value(name: str, info: TensorInfo, base: Path | None) -> np.ndarray:
+    for tensor in info.graph.initializer:
+        if tensor.name == name:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL and base is None:
+                raise InvalidArgumentError(
+                    f"'{name}' lives in external data whose folder is unknown; pass the model as a path."
+                )
+            return numpy_helper.to_array(tensor, str(base or ""))
+    for node in info.graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            return numpy_helper.to_array(next(a.t for a in node.attribute if a.name == "value"))
+    raise InvalidArgumentError(f"'{name}' is not a constant.")
+
+
+def _typed(values: np.ndarray, dtype: str) -> np.ndarray:
+    return np.asarray(values).astype(NUMPY_TYPES[dtype])
+
+
+def _layout(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block: int | None) -> np.ndarray:
+    param = np.asarray(param)
+    if param.ndim == 0:
+        return param
+    if block:
+        return np.repeat(param, block, axis=axis)
+    view = [1] * len(shape)
+    view[axis] = param.size
+    return param.reshape(view)
+
+
+def quantize_array(x: np.ndarray, entry: Encoding, scale: np.ndarray) -> np.ndarray:
+    """What ONNX QuantizeLinear computes: round half to even, add the zero-point, saturate."""
+    s = _layout(scale, x.shape, entry.axis, entry.block_size)
+    zp = 0 if entry.zero_point is None else _layout(entry.zero_point, x.shape, entry.axis, entry.block_size)
+    d = DTYPES[entry.dtype]
+    scaled = x.astype(np.float64) / s
+    if d.qmin is None:
+        top = float(ml_dtypes.finfo(NUMPY_TYPES[entry.dtype]).max)
+        return _typed(np.clip(scaled, -top, top), entry.dtype)
+    return _typed(np.clip(np.rint(scaled) + zp, d.qmin, d.qmax), entry.dtype)
+
+
+# -- rewriting -----------------------------------------------------------------------------------------
+class _Rewriter:
+    def __init__(self, model: onnx.ModelProto, info: dict[str, TensorInfo], base: Path | None) -> None:
+        self.model = model
+        self.info = info
+        self.base = base
+        self.taken = all_names(model)
+        self.dead_constants: set[str] = set()
+
+    def name(self, base: str) -> str:
+        return unique_name(base, self.taken)
+
+    def add_init(self, graph: onnx.GraphProto, base: str, values: np.ndarray) -> str:
+        name = self.name(base)
+        graph.initializer.append(numpy_helper.from_array(np.asarray(values), name))
+        return name
+
+    def scale_input(self, graph: onnx.GraphProto, entry: Encoding, nodes: list[onnx.NodeProto]) -> str:
+        if entry.meta is None:
+            return self.add_init(graph, f"{entry.name}_scale", np.asarray(entry.scale, dtype=np.float32))
+        meta: ScaleMeta = entry.meta
+        x_dtype = meta.x_dtype or _smallest_integer_type(meta.x)
+        x = self.add_init(graph, f"{entry.name}_scale_q", _typed(meta.x, x_dtype))
+        x_scale = self.add_init(graph, f"{entry.name}_meta_scale", np.asarray(meta.x_scale, np.float32).reshape(
+            () if meta.x_scale.size == 1 else (-1,) if meta.block_size is None else meta.x_scale.shape))
+        zp_values = np.zeros(np.shape(meta.x_scale) if meta.x_scale.size > 1 else (), np.int64) if meta.x_zero_point is None else meta.x_zero_point
+        if meta.x_scale.size > 1 and meta.block_size is None:
+            zp_values = np.asarray(zp_values).reshape(-1)
+        x_zp = self.add_init(graph, f"{entry.name}_meta_zero_point", _typed(zp_values, x_dtype))
+        out = self.name(f"{entry.name}_scale")
+        attrs = {}
+        if meta.x_scale.size > 1:
+            attrs["axis"] = meta.axis
+        if meta.block_size:
+            attrs["block_size"] = meta.block_size
+        nodes.append(helper.make_node("DequantizeLinear", [x, x_scale, x_zp], [out], name=self.name(f"{entry.name}_scale_dq"), **attrs))
+        return out
+
+    def insert(self, entry: Encoding, prequantize: bool) -> None:
+        for info in [self.info[entry.name], *_DEFINED_ELSEWHERE.get(entry.name, [])]:
+            self._insert_in(entry, info, prequantize)
+
+    def _insert_in(self, entry: Encoding, info: TensorInfo, prequantize: bool) -> None:
+        graph = info.graph
+        nodes: list[onnx.NodeProto] = []
+        scale = self.scale_input(graph, entry, nodes)
+        zp_shape = np.shape(entry.scale) if entry.meta is None else entry.meta.x.shape
+        zp_values = np.zeros(zp_shape, np.int64) if entry.zero_point is None else entry.zero_point
+        zp = self.add_init(graph, f"{entry.name}_zero_point", _typed(zp_values, entry.dtype))
+        attrs: dict[str, int] = {}
+        if entry.axis is not None and (entry.block_size or np.size(zp_values) > 1):
+            attrs["axis"] = entry.axis
+        if entry.block_size:
+            attrs["block_size"] = entry.block_size
+        qdq_name = self.name(f"{entry.name}_qdq")
+        outputs = {o.name for o in graph.output}
+        source = entry.name
+        if info.is_constant and (prequantize or entry.dtype == "int32"):
+            x = _constant_value(entry.name, info, self.base)
+            quantized = quantize_array(x, entry, entry.effective_scale())
+            stored = self.add_init(graph, f"{entry.name}_q", quantized)
+            nodes.append(helper.make_node("DequantizeLinear", [stored, scale, zp], [qdq_name],
+                                          name=self.name(f"{entry.name}_dq"), doc_string=f"onnxport: encodes {entry.name}", **attrs))
+            self.dead_constants.add(entry.name)
+        else:
+            if entry.dtype == "int32":
+                raise InvalidArgumentError(
+                    f"Encoding of '{entry.name}': int32 is dequantize-only (a bias stored prequantized), but "
+                    f"'{entry.name}' is not a constant."
+                )
+            if entry.name in outputs:
+                # Keep the graph's output names: the producer's value is renamed and the DQ takes the name.
+                source = self.name(f"{entry.name}_float")
+                for node in graph.node:
+                    for i, out in enumerate(node.output):
+                        if out == entry.name:
+                            node.output[i] = source
+                qdq_name = entry.name
+            q_out = self.name(f"{entry.name}_q")
+            nodes.append(helper.make_node("QuantizeLinear", [source, scale, zp], [q_out], name=self.name(f"{entry.name}_q"), **attrs))
+            nodes.append(helper.make_node("DequantizeLinear", [q_out, scale, zp], [qdq_name],
+                                          name=self.name(f"{entry.name}_dq"), doc_string=f"onnxport: encodes {entry.name}", **attrs))
+        if qdq_name != entry.name:
+            self.rewire(graph, entry.name, qdq_name, skip=nodes)
+        graph.node.extend(nodes)
+
+    def rewire(self, graph: onnx.GraphProto, old: str, new: str, skip: list[onnx.NodeProto]) -> None:
+        for inner in walk_graphs(graph):
+            for node in inner.node:
+                if any(node is s for s in skip):
+                    continue
+                for i, name in enumerate(node.input):
+                    if name == old:
+                        node.input[i] = new
+
+    def finish(self) -> None:
+        for graph in walk_graphs(self.model.graph):
+            used = {i for g in walk_graphs(graph) for n in g.node for i in n.input} | {o.name for o in graph.output}
+            keep = [t for t in graph.initializer if not (t.name in self.dead_constants and t.name not in used)]
+            del graph.initializer[:]
+            graph.initializer.extend(keep)
+            nodes = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in self.dead_constants and n.output[0] not in used)]
+            _topological_sort(graph, nodes)
+
+
+def _smallest_integer_type(values: np.ndarray) -> str:
+    low, high = float(np.min(values)), float(np.max(values))
+    for dtype in ("uint2", "uint4", "uint8", "uint16", "int2", "int4", "int8", "int16", "int32"):
+        d = DTYPES[dtype]
+        if d.qmin <= low and high <= d.qmax:
+            return dtype
+    raise InvalidArgumentError("A double-quantized scale holds integers too large for any ONNX type.")
+
+
+def _topological_sort(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    produced_here = {o for n in nodes for o in n.output if o}
+    ready = set()
+    order: list[onnx.NodeProto] = []
+    pending = list(nodes)
+    while pending:
+        progressed = []
+        rest = []
+        for node in pending:
+            needs = {i for i in _all_inputs(node) if i in produced_here}
+            if needs <= ready:
+                progressed.append(node)
+            else:
+                rest.append(node)
+        if not progressed:
+            order += rest  # a cycle: keep the remaining order and let the checker speak
+            break
+        for node in progressed:
+            order.append(node)
+            ready.update(o for o in node.output if o)
+        pending = rest
+    del graph.node[:]
+    graph.node.extend(order)
+
+
+def _all_inputs(node: onnx.NodeProto) -> set[str]:
+    names = {i for i in node.input if i}
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in graphs:
+            for inner in walk_graphs(g):
+                names.update(i for n in inner.node for i in n.input if i)
+    return names
+
+
+# -- opset ---------------------------------------------------------------------------------------------
+def required_opset(entries: list[Encoding]) -> int:
+    """The oldest default-domain opset that can state every encoding."""
+    need = 10
+    for e in entries:
+        need = max(need, DTYPES[e.dtype].opset)
+        if e.axis is not None and (e.block_size or e.n_scales > 1):
+            need = max(need, 13)
+        if e.block_size or (e.meta is not None and e.meta.block_size):
+            need = max(need, 21)
+        if e.meta is not None:
+            need = max(need, DTYPES[e.meta.x_dtype or _smallest_integer_type(e.meta.x)].opset)
+    return need
+
+
+def _raise_opset(model: onnx.ModelProto, need: int) -> onnx.ModelProto:
+    current = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
+    if current >= need:
+        return model
+    try:
+        upgraded = onnx.version_converter.convert_version(model, need)
+    except Exception as error:
+        raise InvalidArgumentError(
+            f"These encodings need opset {need}, and ONNX's version converter could not raise this model from "
+            f"opset {current}: {error}"
+        ) from error
+    return upgraded
+
+
+# -- the public function -----------------------------------------------------------------------------------
+def encodings_to_onnx_qdq(
+    model: onnx.ModelProto | str | os.PathLike,
+    encodings: dict | str | os.PathLike,
+    *,
+    prequantize_constants: bool = False,
+    force_activation_as: str | None = "unsigned",
+    derive_data_movement: bool = True,
+) -> onnx.ModelProto:
+    """Convert an ONNX model and its AIMET encodings into an ONNX Q/DQ model.
+
+    The encodings alone decide what is quantized and how; the translation is exact.
+
+    Args:
+        model: an ``onnx.ModelProto`` or a path to an ``.onnx`` file (external data welcome: from
+            a path, weights stay on disk unless ``prequantize_constants`` needs them). The input
+            is never modified.
+        encodings: a dict, or a path to an AIMET ``.encodings`` JSON file, version 0.6.1, 1.0.0,
+            2.0.0 or 2.1.0.
+        prequantize_constants: store quantized constants as integer initializers followed by a
+            DequantizeLinear (round half to even, saturating) instead of a Q/DQ pair.
+        force_activation_as: ``'unsigned'`` (default, what QNN's converter expects), ``'signed'``
+            or ``None`` (as written). Re-signing is lossless: the zero-point moves by 2^(N-1).
+            Parameters keep their type.
+        derive_data_movement: give data-movement operators (Reshape, Transpose, MaxPool, Concat…)
+            the encoding of the tensor they move, as QNN-style consumers expect.
+
+    Returns:
+        A new ``onnx.ModelProto`` at the oldest opset that can state every encoding (never lower
+        than the model's), which passes ``onnx.checker``. Save it with :func:`onnxport.save_model`
+        (which also carries unloaded external weights across).
+    """
+    from .derive import derive_encodings
+
+    if force_activation_as not in FORCE_CHOICES:
+        raise InvalidArgumentError(
+            f"force_activation_as must be 'unsigned', 'signed' or None, not {force_activation_as!r}."
+        )
+    parsed = parse_encodings(load_encodings(encodings))  # the whole file, before the graph
+    work, base = _load_model(model)
+    _float_gate(work)
+    info, readers = _index(work)
+    missing = sorted(e.name for e in parsed.entries if e.name not in info)
+    if missing:
+        raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
+    entries: list[Encoding] = []
+    for entry in parsed.entries:
+        tensor = info[entry.name]
+        if tensor.elem_type not in (None, 0, onnx.TensorProto.FLOAT):
+            kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+            raise InvalidArgumentError(f"Encoding of '{entry.name}': the tensor is {kind}, and only float tensors can be quantized.")
+        entry = resolve(entry, tensor, readers.get(entry.name, []))
+        is_param = tensor.is_constant or entry.section == "param"
+        if not is_param:
+            entry = _force(entry, force_activation_as)
+        entries.append(entry)
+    if derive_data_movement:
+        entries += derive_encodings(work, {e.name: e for e in entries}, info)
+    work = _raise_opset(work, required_opset(entries))
+    if work is not None:
+        info, _ = _index(work)
+    rewriter = _Rewriter(work, info, base)
+    for entry in entries:
+        rewriter.insert(entry, prequantize_constants)
+    rewriter.finish()
+    props = [p for p in work.metadata_props if p.key not in ("producer", EXTERNAL_BASE_KEY)]
+    del work.metadata_props[:]
+    work.metadata_props.extend(props)
+    work.metadata_props.add(key="producer", value="onnxport")
+    if base is not None and _has_external(work):
+        work.metadata_props.add(key=EXTERNAL_BASE_KEY, value=str(base.resolve()))
+    _check(work, base)
+    if parsed.omitted:
+        names = sorted(parsed.omitted)
+        warnings.warn(
+            f"float16/bfloat16 are plain casts, not quantization, and ONNX Q/DQ has no form for them: "
+            f"omitted {len(names)} encoding(s): {names[:8]}{' …' if len(names) > 8 else ''}.",
+            OmittedEncodingsWarning,
+            stacklevel=2,
+        )
+    return work
+
+
+def _check(model: onnx.ModelProto, base: Path | None) -> None:
+    """onnx.checker on the result, without reading weights that were never loaded.
+
+    The checker insists on reading an external file beside the model; unloaded weights are
+    checked instead when the result is saved (``save_model`` checks the written file).
+    """
+    if not _has_external(model):
+        onnx.checker.check_model(model)
+        return
+    shell = onnx.ModelProto()
+    shell.CopyFrom(model)
+    for graph in walk_graphs(shell.graph):
+        for tensor in graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.dims[:]
+                tensor.dims.append(0)
+                tensor.raw_data = b""
+    onnx.checker.check_model(shell)
+
+
+def _has_external(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for g in walk_graphs(model.graph) for t in g.initializer)

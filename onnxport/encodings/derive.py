@@ -1,0 +1,106 @@
+"""Data-movement derivation: operators that only move values take the encoding of what they move.
+
+QNN-style consumers expect a Reshape, Transpose, MaxPool, Concat… to sit between identical Q/DQ
+pairs; without them a backend may treat the tensor as float. Only per-tensor encodings travel,
+and only onto computed tensors (a constant such as a Clip bound is never given an activation's
+encoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.defs
+
+from .._graph import walk_graphs
+from .axes import TensorInfo
+from .formats import Encoding
+
+DATA_MOVEMENT = {
+    "Col2Im", "Compress", "DepthToSpace", "Dropout", "Expand", "Flatten", "Gather", "GatherElements",
+    "GatherND", "Identity", "MaxPool", "MaxRoiPool", "Pad", "ReduceMax", "ReduceMin", "Reshape", "Slice",
+    "SpaceToDepth", "Split", "Squeeze", "Tile", "TopK", "Transpose", "Unsqueeze", "Concat",
+    "ScatterElements", "ScatterND", "Clip", "Max", "Min", "Where",
+}
+
+
+def _float_slots(node: onnx.NodeProto, opset: int) -> tuple[list[int], list[int]]:
+    """Indices of the inputs and outputs whose type can be float, from the operator's schema."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except onnx.defs.SchemaError:
+        return [], []
+    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+
+    def floaty(formal) -> bool:
+        types = allowed.get(formal.type_str, [formal.type_str])
+        return "tensor(float)" in types
+
+    def slots(formals, actual: list[str]) -> list[int]:
+        result = []
+        for i, name in enumerate(actual):
+            if not name:
+                continue  # an omitted optional input
+            formal = formals[min(i, len(formals) - 1)] if formals else None
+            if formal is not None and floaty(formal):
+                result.append(i)
+        return result
+
+    return slots(schema.inputs, list(node.input)), slots(schema.outputs, list(node.output))
+
+
+def _per_tensor(e: Encoding | None) -> bool:
+    return e is not None and e.meta is None and e.block_size is None and np.ndim(e.scale) == 0 and e.dtype != "int32"
+
+
+def _same(a: Encoding, b: Encoding) -> bool:
+    za = 0 if a.zero_point is None else int(a.zero_point)
+    zb = 0 if b.zero_point is None else int(b.zero_point)
+    return a.dtype == b.dtype and float(a.scale) == float(b.scale) and za == zb
+
+
+def derive_encodings(model: onnx.ModelProto, known: dict[str, Encoding], info: dict[str, TensorInfo]) -> list[Encoding]:
+    """New encodings for data-movement tensors, from their neighbours (two sweeps, both ways)."""
+    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
+    encodings = dict(known)
+    derived: dict[str, Encoding] = {}
+    for graph in walk_graphs(model.graph):
+        readers: dict[str, int] = {}
+        for node in graph.node:
+            for name in node.input:
+                if name:
+                    readers[name] = readers.get(name, 0) + 1
+        outputs = {o.name for o in graph.output}
+        movers = [n for n in graph.node if n.op_type in DATA_MOVEMENT and n.domain in ("", "ai.onnx")]
+
+        def computed(name: str) -> bool:
+            t = info.get(name)
+            return t is not None and not t.is_constant and t.elem_type in (None, 0, onnx.TensorProto.FLOAT)
+
+        def give(name: str, source: Encoding) -> None:
+            new = source.with_(name=name, section="activation")
+            encodings[name] = derived[name] = new
+
+        for order in (movers, list(reversed(movers))):
+            for node in order:
+                ins, outs = _float_slots(node, opset)
+                in_names = [node.input[i] for i in ins if computed(node.input[i])]
+                out_names = [node.output[i] for i in outs if computed(node.output[i])]
+                if not in_names or not out_names:
+                    continue
+                out_encs = [encodings.get(n) for n in out_names]
+                # backward: a tensor read only here takes the (shared) encoding of the outputs
+                if all(_per_tensor(e) for e in out_encs) and all(_same(out_encs[0], e) for e in out_encs):
+                    for name in in_names:
+                        if name not in encodings and readers.get(name, 0) == 1 and name not in outputs:
+                            give(name, out_encs[0])
+                # forward: outputs take the inputs' encoding when every moved input agrees
+                first = encodings.get(in_names[0])
+                movers_in = in_names[:1] if node.op_type == "Pad" else in_names
+                if _per_tensor(first) and all(
+                    _per_tensor(encodings.get(n)) and _same(first, encodings[n]) for n in movers_in
+                ):
+                    for name in out_names:
+                        if name not in encodings:
+                            give(name, first)
+    return list(derived.values())

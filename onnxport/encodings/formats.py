@@ -1,0 +1,463 @@
+"""Read AIMET encodings (0.6.1, 1.0.0, 2.0.0, 2.1.0) into one normalised :class:`Encoding`.
+
+Everything here works on the file alone: the whole file is validated before any graph is
+touched, and every error names the tensor and the field. What only the graph can settle (a
+legacy per-channel axis, a legacy block layout) is left marked on the entry for ``axes.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ..errors import InvalidArgumentError
+
+VERSIONS = ("0.6.1", "1.0.0", "2.0.0", "2.1.0")
+ENC_TYPES = ("PER_TENSOR", "PER_CHANNEL", "PER_BLOCK", "LPBQ")
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    onnx_type: int
+    qmin: int | None  # None for float formats
+    qmax: int | None
+    opset: int  # the first opset whose QuantizeLinear/DequantizeLinear know the type
+
+
+_T = onnx.TensorProto
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in [
+        DType("int2", _T.INT2, -2, 1, 25), DType("uint2", _T.UINT2, 0, 3, 25),
+        DType("int4", _T.INT4, -8, 7, 21), DType("uint4", _T.UINT4, 0, 15, 21),
+        DType("int8", _T.INT8, -128, 127, 10), DType("uint8", _T.UINT8, 0, 255, 10),
+        DType("int16", _T.INT16, -32768, 32767, 21), DType("uint16", _T.UINT16, 0, 65535, 21),
+        DType("int32", _T.INT32, -(2**31), 2**31 - 1, 10),
+        DType("float8e4m3fn", _T.FLOAT8E4M3FN, None, None, 19), DType("float8e4m3fnuz", _T.FLOAT8E4M3FNUZ, None, None, 19),
+        DType("float8e5m2", _T.FLOAT8E5M2, None, None, 19), DType("float8e5m2fnuz", _T.FLOAT8E5M2FNUZ, None, None, 19),
+        DType("float4e2m1", _T.FLOAT4E2M1, None, None, 23),
+    ]
+}
+#: Plain casts, not quantization: ONNX Q/DQ has no form for them, so they are omitted with a warning.
+PLAIN_FLOATS = ("float16", "bfloat16")
+
+
+def is_integer(dtype: str) -> bool:
+    return DTYPES[dtype].qmin is not None
+
+
+def signed_twin(dtype: str) -> str:
+    return dtype[1:] if dtype.startswith("u") else dtype
+
+
+def unsigned_twin(dtype: str) -> str:
+    return dtype if dtype.startswith("u") else "u" + dtype
+
+
+@dataclass(frozen=True)
+class ScaleMeta:
+    """A double-quantized scale: ``y_scale = DequantizeLinear(x, x_scale, x_zero_point, axis, block_size)``."""
+
+    x: np.ndarray
+    x_scale: np.ndarray
+    x_zero_point: np.ndarray | None = None
+    x_dtype: str | None = None
+    axis: int | None = None
+    block_size: int | None = None
+
+    def dequantized(self) -> np.ndarray:
+        scale = _broadcast_param(self.x_scale, self.x.shape, self.axis, self.block_size)
+        zp = 0 if self.x_zero_point is None else _broadcast_param(self.x_zero_point, self.x.shape, self.axis, self.block_size)
+        return (self.x.astype(np.float64) - zp) * scale
+
+
+def _broadcast_param(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block_size: int | None) -> np.ndarray:
+    """A scale or zero-point laid out to ``shape`` as ONNX applies it (per-tensor, axis or blocks)."""
+    param = np.asarray(param)
+    if param.ndim == 0 or param.size == 1:
+        return param.reshape(())
+    if block_size:
+        return np.repeat(param, block_size, axis=axis)[tuple(slice(0, d) for d in shape)]
+    view = [1] * len(shape)
+    view[axis] = param.size
+    return param.reshape(view)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One tensor's quantizer, whatever version it came from.
+
+    ``scale`` and ``zero_point`` follow ONNX's layout: a 0-d array (per-tensor), 1-D along
+    ``axis`` (per-channel), or the tensor's rank with ``block_size`` along ``axis`` (blockwise).
+    ``meta`` replaces ``scale`` for double-quantized scales (LPBQ, 2.1.0 meta encodings).
+    ``pending`` marks what the graph must settle: ``'axis'`` (a legacy per-channel entry) or
+    ``'blocks'`` (a legacy per-block/LPBQ entry stored flat).
+    """
+
+    name: str
+    dtype: str
+    scale: np.ndarray | None
+    zero_point: np.ndarray | None = None
+    axis: int | None = None
+    block_size: int | None = None
+    meta: ScaleMeta | None = None
+    section: str = "any"  # 'param' | 'activation' | 'any' (2.x has no sections)
+    pending: str | None = None
+    flat: dict[str, Any] = field(default_factory=dict)  # legacy flat arrays awaiting a layout
+
+    @property
+    def n_scales(self) -> int:
+        if self.scale is not None:
+            return int(np.asarray(self.scale).size)
+        return int(self.meta.x.size) if self.meta is not None else 1
+
+    def effective_scale(self) -> np.ndarray:
+        return self.meta.dequantized() if self.meta is not None else np.asarray(self.scale, dtype=np.float64)
+
+    def with_(self, **changes: Any) -> Encoding:
+        return replace(self, **changes)
+
+
+# -- loading -------------------------------------------------------------------------------------
+def load_encodings(encodings: dict | str | os.PathLike) -> dict:
+    if isinstance(encodings, dict):
+        return encodings
+    if isinstance(encodings, (str, os.PathLike)):
+        try:
+            with open(encodings, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            raise InvalidArgumentError(f"encodings file '{encodings}' does not exist.") from None
+        except json.JSONDecodeError as error:
+            raise InvalidArgumentError(f"encodings file '{encodings}' is not valid JSON: {error}.") from None
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"encodings file '{encodings}' must hold a JSON object at the top level, not {type(data).__name__}.")
+        return data
+    raise InvalidArgumentError(f"encodings must be a dict or a path to an encodings file, not {type(encodings).__name__}.")
+
+
+class _Field:
+    """Validation helpers that name the tensor and the field in every message."""
+
+    def __init__(self, name: str, version: str) -> None:
+        self.name = name
+        self.version = version
+
+    def fail(self, field_name: str, why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"Encoding of '{self.name}' (version {self.version}), field '{field_name}': {why}")
+
+    def numbers(self, entry: dict, key: str, *, positive: bool = False) -> np.ndarray:
+        value = entry[key]
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise self.fail(key, f"holds a non-numeric value ({json.dumps(value)[:60]}).") from None
+        if array.dtype == object or _has_bool(value):
+            raise self.fail(key, "holds a non-numeric value.")
+        if array.size == 0:
+            raise self.fail(key, "is empty.")
+        if positive and (not np.all(np.isfinite(array)) or np.any(array <= 0)):
+            raise self.fail(key, "holds a scale that is zero, negative or not finite; every scale must be a finite positive number.")
+        return array
+
+    def integers(self, entry: dict, key: str) -> np.ndarray:
+        array = self.numbers(entry, key)
+        if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
+            raise self.fail(key, "holds a value that is not an integer.")
+        return array.astype(np.int64)
+
+    def int_field(self, entry: dict, key: str, low: int = 1, high: int = 64) -> int:
+        value = entry[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or not low <= value <= high:
+            raise self.fail(key, f"must be an integer from {low} to {high}, not {value!r}.")
+        return int(value)
+
+    def boolean(self, entry: dict, key: str) -> bool:
+        value = entry[key]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value in ("True", "False", "true", "false"):
+            return value.lower() == "true"
+        raise self.fail(key, f"must be true/false (a JSON boolean or the string \"True\"/\"False\"), not {value!r}.")
+
+    def require(self, entry: dict, keys: tuple[str, ...]) -> None:
+        missing = [k for k in keys if k not in entry]
+        if missing:
+            raise self.fail(missing[0], f"is missing (required by version {self.version}: {', '.join(keys)}).")
+
+
+def _has_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_bool(v) for v in value)
+    return False
+
+
+def _check_range(f: _Field, key: str, zp: np.ndarray, dtype: str) -> None:
+    d = DTYPES[dtype]
+    if d.qmin is None:
+        if np.any(zp != 0):
+            raise f.fail(key, f"{dtype} takes no zero-point other than 0.")
+        return
+    if np.any(zp < d.qmin) or np.any(zp > d.qmax):
+        bad = int(zp[(zp < d.qmin) | (zp > d.qmax)].reshape(-1)[0])
+        raise f.fail(key, f"zero-point {bad} does not fit {dtype} [{d.qmin}, {d.qmax}].")
+
+
+# -- legacy (0.6.1, 1.0.0) ---------------------------------------------------------------------------
+def _legacy_zero_points(f: _Field, offsets: np.ndarray, bits: int, symmetric: bool) -> tuple[str, np.ndarray]:
+    """Legacy offsets live in the unsigned domain: zp = -offset, shifted by 2^(N-1) when signed."""
+    dtype = f"int{bits}" if symmetric else f"uint{bits}"
+    if dtype not in DTYPES:
+        raise f.fail("bitwidth", f"{bits}-bit integers have no ONNX Q/DQ type (2, 4, 8, 16 or 32 bits).")
+    zp = -offsets - (2 ** (bits - 1) if symmetric else 0)
+    _check_range(f, "offset", zp, dtype)
+    return dtype, zp
+
+
+def _parse_061(name: str, value: Any, section: str) -> Encoding | str:
+    f = _Field(name, "0.6.1")
+    if not isinstance(value, list) or not value or not all(isinstance(e, dict) for e in value):
+        raise f.fail("(entry)", "must be a non-empty list of encoding objects.")
+    first = value[0]
+    f.require(first, ("bitwidth", "dtype"))
+    kind = str(first["dtype"]).lower()
+    bits = f.int_field(first, "bitwidth", 1, 32)
+    if kind == "float":
+        if bits == 16:
+            return "float16"
+        raise f.fail("dtype", f"a {bits}-bit float encoding has no meaning here (only 16-bit plain casts exist in 0.6.1).")
+    if kind != "int":
+        raise f.fail("dtype", f"must be 'int' or 'float', not {first['dtype']!r}.")
+    for element in value:
+        f.require(element, ("bitwidth", "dtype", "is_symmetric", "offset", "scale"))
+    symmetric = {f.boolean(e, "is_symmetric") for e in value}
+    if len(symmetric) != 1:
+        raise f.fail("is_symmetric", "differs between the channels of one tensor.")
+    scale = np.array([f.numbers(e, "scale", positive=True).item() for e in value])
+    offsets = np.array([f.integers(e, "offset").item() for e in value])
+    dtype, zp = _legacy_zero_points(f, offsets, bits, symmetric.pop())
+    if len(value) == 1:
+        return Encoding(name, dtype, scale.reshape(()), zp.reshape(()), section=section)
+    return Encoding(name, dtype, scale, zp, section=section, pending="axis")
+
+
+def _parse_100(entry: dict, section: str) -> Encoding | str:
+    name = entry["name"]
+    f = _Field(name, "1.0.0")
+    f.require(entry, ("bw", "dtype", "enc_type"))
+    enc_type = entry["enc_type"]
+    if enc_type not in ENC_TYPES:
+        raise f.fail("enc_type", f"must be one of {', '.join(ENC_TYPES)}, not {enc_type!r}.")
+    bits = f.int_field(entry, "bw", 1, 32)
+    if str(entry["dtype"]).upper() == "FLOAT":
+        if bits == 16:
+            return "float16"
+        raise f.fail("dtype", f"a {bits}-bit FLOAT encoding has no ONNX Q/DQ form in version 1.0.0.")
+    if str(entry["dtype"]).upper() != "INT":
+        raise f.fail("dtype", f"must be 'INT' or 'FLOAT', not {entry['dtype']!r}.")
+    f.require(entry, ("is_sym", "scale", "offset"))
+    symmetric = f.boolean(entry, "is_sym")
+    scale = f.numbers(entry, "scale", positive=True).reshape(-1)
+    offsets = f.integers(entry, "offset").reshape(-1)
+    if offsets.size != scale.size:
+        raise f.fail("offset", f"has {offsets.size} values for {scale.size} scales.")
+    if enc_type == "LPBQ":
+        f.require(entry, ("block_size", "compressed_bw", "per_block_int_scale"))
+        compressed = f.int_field(entry, "compressed_bw", 1, 32)
+        block = f.int_field(entry, "block_size", 1, 1 << 30)
+        ints = f.integers(entry, "per_block_int_scale").reshape(-1)
+        if ints.size % scale.size:
+            raise f.fail("per_block_int_scale", f"holds {ints.size} values, not a multiple of the {scale.size} channel scales.")
+        # The per-channel offsets describe the decompressed grid; the stored weight is the
+        # compressed one, symmetric, so its zero-point is 0.
+        dtype = f"int{compressed}" if symmetric else f"uint{compressed}"
+        if dtype not in DTYPES:
+            raise f.fail("compressed_bw", f"{compressed}-bit integers have no ONNX Q/DQ type.")
+        zp = None if symmetric else np.full(ints.size, 2 ** (compressed - 1), np.int64)
+        return Encoding(name, dtype, None, zp, block_size=block, section=section, pending="blocks",
+                        flat={"int_scale": ints, "channel_scale": scale})
+    dtype, zp = _legacy_zero_points(f, offsets, bits, symmetric)
+    if enc_type == "PER_BLOCK":
+        f.require(entry, ("block_size",))
+        block = f.int_field(entry, "block_size", 1, 1 << 30)
+        return Encoding(name, dtype, None, None, block_size=block, section=section, pending="blocks",
+                        flat={"scale": scale, "zero_point": zp})
+    if enc_type == "PER_TENSOR" or scale.size == 1:
+        if scale.size != 1:
+            raise f.fail("scale", f"a PER_TENSOR encoding holds {scale.size} scales.")
+        return Encoding(name, dtype, scale.reshape(()), zp.reshape(()), section=section)
+    return Encoding(name, dtype, scale, zp, section=section, pending="axis")
+
+
+# -- 2.x ---------------------------------------------------------------------------------------------
+def _dtype_2x(f: _Field, entry: dict) -> str:
+    dtype = entry["output_dtype"]
+    if dtype in PLAIN_FLOATS:
+        return dtype
+    if dtype not in DTYPES:
+        raise f.fail("output_dtype", f"must be one of {', '.join(DTYPES)}, not {dtype!r}.")
+    return dtype
+
+
+def _optional_int(f: _Field, entry: dict, key: str, low: int, high: int) -> int | None:
+    if key not in entry or entry[key] is None:
+        return None
+    return f.int_field(entry, key, low, high)
+
+
+def _parse_meta(f: _Field, meta: dict) -> ScaleMeta:
+    f.require(meta, ("x", "x_scale"))
+    x = f.numbers(meta, "x")
+    x_scale = f.numbers(meta, "x_scale", positive=True)
+    x_zp = f.integers(meta, "x_zero_point") if "x_zero_point" in meta else None
+    x_dtype = meta.get("input_dtype")
+    if x_dtype is not None and x_dtype not in DTYPES:
+        raise f.fail("y_scale.input_dtype", f"must be one of {', '.join(DTYPES)}, not {x_dtype!r}.")
+    if x_dtype is None and np.any(x != np.round(x)):
+        raise f.fail("y_scale.input_dtype", "is required when 'x' holds non-integer values.")
+    axis = _optional_int(f, meta, "axis", -8, 8)
+    block = _optional_int(f, meta, "block_size", 1, 1 << 30)
+    if x_scale.size > 1 and axis is None:
+        raise f.fail("y_scale.axis", "is required when 'x_scale' holds several values.")
+    return ScaleMeta(x, x_scale, x_zp, x_dtype, axis, block)
+
+
+def _parse_2x(entry: dict, version: str) -> Encoding | str:
+    name = entry["name"]
+    f = _Field(name, version)
+    f.require(entry, ("output_dtype",))
+    for foreign in ("bw", "bitwidth", "enc_type", "offset"):
+        if foreign in entry:
+            raise f.fail(foreign, f"belongs to the legacy formats, not version {version}; does the file's version match its contents?")
+    dtype = _dtype_2x(f, entry)
+    if dtype in PLAIN_FLOATS:
+        return dtype
+    axis = _optional_int(f, entry, "axis", -8, 8)
+    block = _optional_int(f, entry, "block_size", 1, 1 << 30)
+    if block is not None and axis is None:
+        raise f.fail("block_size", "needs an 'axis' (the block axis).")
+    meta = None
+    if "per_block_int_scale" in entry or "per_channel_float_scale" in entry:
+        f.require(entry, ("per_block_int_scale", "per_channel_float_scale"))
+        if block is None:
+            raise f.fail("block_size", "is required by an LPBQ encoding.")
+        ints = f.integers(entry, "per_block_int_scale")
+        channel = f.numbers(entry, "per_channel_float_scale", positive=True)
+        if ints.ndim != channel.ndim:
+            raise f.fail("per_channel_float_scale", f"has rank {channel.ndim}, but per_block_int_scale has rank {ints.ndim}.")
+        channel_axes = [i for i, d in enumerate(channel.shape) if d != 1]
+        meta = ScaleMeta(ints, channel.reshape(-1), None, None, channel_axes[0] if channel_axes else None, None)
+        scale = None
+    elif isinstance(entry.get("y_scale"), dict):
+        if version != "2.1.0":
+            raise f.fail("y_scale", "is a meta encoding (a dict), which needs version 2.1.0.")
+        meta = _parse_meta(f, entry["y_scale"])
+        scale = None
+    else:
+        f.require(entry, ("y_scale",))
+        scale = f.numbers(entry, "y_scale", positive=True)
+    zp = None
+    if entry.get("y_zero_point") is not None:
+        zp = f.integers(entry, "y_zero_point")
+        _check_range(f, "y_zero_point", zp, dtype)
+        shape = scale.shape if scale is not None else meta.x.shape
+        if zp.size != int(np.prod(shape)):
+            raise f.fail("y_zero_point", f"has {zp.size} values for {int(np.prod(shape))} scales.")
+        zp = zp.reshape(shape)
+        if not np.any(zp):
+            zp = None
+    if scale is not None:
+        if scale.size == 1 and block is None and (axis is None or scale.ndim == 0):
+            scale = scale.reshape(())
+            zp = None if zp is None else zp.reshape(())
+            axis = None
+        elif block is None:
+            if axis is None:
+                raise f.fail("axis", f"is required: y_scale holds {scale.size} values (one per channel along an axis).")
+            scale = scale.reshape(-1)
+            zp = None if zp is None else zp.reshape(-1)
+    if dtype == "int32" and zp is not None:
+        raise f.fail("y_zero_point", "int32 encodings (biases) take no zero-point other than 0.")
+    return Encoding(name, dtype, scale, zp, axis=axis, block_size=block, meta=meta)
+
+
+# -- the file ------------------------------------------------------------------------------------------
+@dataclass
+class ParsedEncodings:
+    version: str
+    entries: list[Encoding]
+    omitted: list[str]  # float16/bfloat16 plain casts
+
+
+def parse_encodings(data: dict) -> ParsedEncodings:
+    """Validate a whole encodings file and normalise every entry (no graph needed)."""
+    version = data.get("version")
+    if version not in VERSIONS:
+        raise InvalidArgumentError(
+            f"Unsupported encodings version {version!r}; onnxport reads {', '.join(VERSIONS)} "
+            f"(the file's 'version' field)."
+        )
+    entries: list[Encoding] = []
+    omitted: list[str] = []
+
+    def keep(result: Encoding | str, name: str) -> None:
+        if isinstance(result, str):
+            omitted.append(name)
+        else:
+            entries.append(result)
+
+    if version == "0.6.1":
+        sections = {}
+        for key in ("param_encodings", "activation_encodings"):
+            section = data.get(key, {})
+            if not isinstance(section, dict):
+                raise InvalidArgumentError(f"Section '{key}' of a 0.6.1 encodings file must be an object, not {type(section).__name__}.")
+            sections[key] = section
+        both = sorted(set(sections["param_encodings"]) & set(sections["activation_encodings"]))
+        if both:
+            raise InvalidArgumentError(f"Tensor(s) {both} appear in both 'param_encodings' and 'activation_encodings'; each tensor is one or the other.")
+        for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
+            for name, value in sections[key].items():
+                keep(_parse_061(name, value, kind), name)
+    elif version == "1.0.0":
+        seen: dict[str, str] = {}
+        for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
+            section = data.get(key, [])
+            if not isinstance(section, list):
+                raise InvalidArgumentError(f"Section '{key}' of a 1.0.0 encodings file must be a list, not {type(section).__name__}.")
+            for index, entry in enumerate(section):
+                name = _entry_name(entry, index, key)
+                if name in seen:
+                    where = "twice in" if seen[name] == key else "in both 'param_encodings' and 'activation_encodings' of"
+                    raise InvalidArgumentError(f"Tensor '{name}' appears {where} the file; each tensor takes one encoding.")
+                seen[name] = key
+                keep(_parse_100(entry, kind), name)
+    else:
+        section = data.get("encodings")
+        if not isinstance(section, list):
+            raise InvalidArgumentError(f"A version {version} encodings file needs an 'encodings' list, not {type(section).__name__}.")
+        seen_names: set[str] = set()
+        for index, entry in enumerate(section):
+            name = _entry_name(entry, index, "encodings")
+            if name in seen_names:
+                raise InvalidArgumentError(f"Tensor '{name}' appears twice in 'encodings'; each tensor takes one encoding.")
+            seen_names.add(name)
+            keep(_parse_2x(entry, version), name)
+    return ParsedEncodings(version, entries, omitted)
+
+
+def _entry_name(entry: Any, index: int, section: str) -> str:
+    if not isinstance(entry, dict):
+        raise InvalidArgumentError(f"Entry {index} of '{section}' must be an object, not {type(entry).__name__}.")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"Entry {index} of '{section}' has no 'name', so it cannot be matched to a tensor.")
+    return name

@@ -1,0 +1,98 @@
+"""``onnx_qdq_to_encodings``: a Q/DQ model back to AIMET-style encodings (version 2.0.0)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .._graph import all_constants, producers, tensor_value, walk_graphs
+from ..errors import InvalidArgumentError
+from .formats import DTYPES
+
+_MARK = "onnxport: encodes "
+_BY_ONNX_TYPE = {d.onnx_type: name for name, d in DTYPES.items()}
+
+
+def _plain(values: np.ndarray) -> Any:
+    values = np.asarray(values)
+    if values.dtype.kind == "f" or values.dtype.kind == "V" or str(values.dtype).startswith(("float", "bfloat")):
+        values = values.astype(np.float64)
+    else:
+        values = values.astype(np.int64)
+    return values.item() if values.ndim == 0 else values.tolist()
+
+
+def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
+    """Read every Q/DQ pair of an ONNX model back into an encodings dict (version 2.0.0).
+
+    Each DequantizeLinear gives one entry, named after the tensor it quantizes (the input of its
+    QuantizeLinear, the graph output it restores, or — for a prequantized constant — the tensor
+    the converter recorded). Double-quantized scales come back as 2.1.0 meta encodings, and the
+    file then says version 2.1.0. ``encodings_to_onnx_qdq`` of the result gives the same pairs.
+    """
+    base = None
+    if isinstance(model, (str, os.PathLike)):
+        base = os.path.dirname(os.fspath(model))
+        model = onnx.load_model(os.fspath(model), load_external_data=False)
+    if not isinstance(model, onnx.ModelProto):
+        raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}.")
+    consts = all_constants(model)
+    entries: list[dict] = []
+    version = "2.0.0"
+    for graph in walk_graphs(model.graph):
+        made_by = producers(graph)
+        outputs = {o.name for o in graph.output}
+        scale_nodes = {n.input[1] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+        for node in graph.node:
+            if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.output[0] in scale_nodes:
+                continue
+            source = made_by.get(node.input[0])
+            if node.doc_string.startswith(_MARK):
+                name = node.doc_string[len(_MARK):]
+            elif source is not None and source.op_type == "QuantizeLinear":
+                name = node.output[0] if node.output[0] in outputs else source.input[0]
+            else:
+                name = node.input[0]
+            if any(e["name"] == name for e in entries):
+                continue  # a second DQ reader of the same quantized tensor
+            entry: dict[str, Any] = {"name": name}
+            zp = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+            entry["output_dtype"] = _BY_ONNX_TYPE.get(zp.data_type if zp is not None else consts[node.input[0]].data_type, "uint8")
+            attrs = {a.name: a.i for a in node.attribute}
+            scale_producer = made_by.get(node.input[1])
+            if node.input[1] in consts:
+                scale = tensor_value(consts[node.input[1]], base)
+                entry["y_scale"] = _plain(scale)
+            elif scale_producer is not None and scale_producer.op_type == "DequantizeLinear":
+                version = "2.1.0"
+                meta_attrs = {a.name: a.i for a in scale_producer.attribute}
+                meta: dict[str, Any] = {
+                    "x": _plain(tensor_value(consts[scale_producer.input[0]], base)),
+                    "x_scale": _plain(tensor_value(consts[scale_producer.input[1]], base)),
+                    "input_dtype": _BY_ONNX_TYPE[consts[scale_producer.input[0]].data_type],
+                }
+                if len(scale_producer.input) > 2 and scale_producer.input[2]:
+                    x_zp = tensor_value(consts[scale_producer.input[2]], base)
+                    if np.any(x_zp.astype(np.int64)):
+                        meta["x_zero_point"] = _plain(x_zp)
+                for key in ("axis", "block_size"):
+                    if key in meta_attrs and (key == "block_size" or np.size(meta["x_scale"]) > 1):
+                        meta[key] = meta_attrs[key]
+                entry["y_scale"] = meta
+                scale = np.asarray(meta["x"])
+            else:
+                raise InvalidArgumentError(f"The scale of DequantizeLinear '{node.name}' is computed at run time; it has no encoding.")
+            if zp is not None:
+                values = tensor_value(zp, base)
+                if DTYPES[entry["output_dtype"]].qmin is not None and np.any(values.astype(np.int64)):
+                    entry["y_zero_point"] = _plain(values)
+            if "block_size" in attrs:
+                entry["axis"] = attrs.get("axis", 1)
+                entry["block_size"] = attrs["block_size"]
+            elif np.size(scale) > 1:
+                entry["axis"] = attrs.get("axis", 1)
+            entries.append(entry)
+    return {"version": version, "encodings": entries}
