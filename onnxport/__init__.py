@@ -39,6 +39,7 @@ _EXPORTS = {
     "check_target": ".qdq.targets",
     "encodings_to_onnx_qdq": ".encodings",
     "onnx_qdq_to_encodings": ".encodings",
+    "strip_qdq": ".encodings",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .qdq.targets import check_target
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
-    from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings
+    from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
     from .export import export_onnx
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 
 import ml_dtypes
 import numpy as np

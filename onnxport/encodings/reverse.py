@@ -96,3 +96,74 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
                 entry["axis"] = attrs.get("axis", 1)
             entries.append(entry)
     return {"version": version, "encodings": entries}
+
+
+def strip_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The float model a Q/DQ model was made from, as far as the file can tell.
+
+    Every QuantizeLinear→DequantizeLinear pair is removed (its readers read the float tensor),
+    and every DequantizeLinear of a constant becomes a float constant of the dequantized values,
+    named after the constant it read. ``encodings_to_onnx_qdq(strip_qdq(m), onnx_qdq_to_encodings(m))``
+    then rebuilds ``m``'s pairs.
+    """
+    from onnx import numpy_helper
+
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    for graph in walk_graphs(result.graph):
+        consts = {t.name: t for t in graph.initializer}
+        made_by = producers(graph)
+        outputs = {o.name for o in graph.output}
+        replace: dict[str, str] = {}
+        drop: set[int] = set()
+        new_inits: list[onnx.TensorProto] = []
+        scale_values = {n.input[1] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+        for index, node in enumerate(graph.node):
+            if node.op_type != "DequantizeLinear" or node.output[0] in scale_values:
+                continue
+            source = made_by.get(node.input[0])
+            if source is not None and source.op_type == "QuantizeLinear":
+                replace[node.output[0]] = source.input[0]
+                drop.add(index)
+                drop.add(list(graph.node).index(source))
+            elif node.input[0] in consts:
+                zp_name = node.input[2] if len(node.input) > 2 else ""
+                attrs = {a.name: a.i for a in node.attribute}
+                q = numpy_helper.to_array(consts[node.input[0]]).astype(np.float64)
+                scale = numpy_helper.to_array(consts[node.input[1]]).astype(np.float64)
+                zp = numpy_helper.to_array(consts[zp_name]).astype(np.float64) if zp_name else np.zeros(())
+                axis, block = attrs.get("axis", 1), attrs.get("block_size")
+                if block:
+                    scale, zp = np.repeat(scale, block, axis=axis), (np.repeat(zp, block, axis=axis) if zp.ndim else zp)
+                elif scale.ndim == 1:
+                    view = [1] * q.ndim
+                    view[axis] = -1
+                    scale, zp = scale.reshape(view), (zp.reshape(view) if zp.ndim else zp)
+                name = node.input[0]
+                new_inits.append(numpy_helper.from_array(((q - zp) * scale).astype(np.float32), name))
+                replace[node.output[0]] = name
+                drop.add(index)
+        for name in list(replace):
+            target = replace[name]
+            while target in replace:
+                target = replace[target]
+            replace[name] = target
+        kept = [n for i, n in enumerate(graph.node) if i not in drop]
+        for node in kept:
+            for i, name in enumerate(node.input):
+                if name in replace:
+                    node.input[i] = replace[name]
+        for name, target in replace.items():
+            if name in outputs:
+                kept.append(onnx.helper.make_node("Identity", [target], [name]))
+        del graph.node[:]
+        graph.node.extend(kept)
+        used = {i for g in walk_graphs(graph) for n in g.node for i in n.input}
+        stale = {n.name for n in new_inits}
+        inits = [t for t in graph.initializer if t.name in used and t.name not in stale] + [t for t in new_inits if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(inits)
+        for info in list(graph.value_info):
+            if info.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+                graph.value_info.remove(info)
+    return result

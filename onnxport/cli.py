@@ -1,0 +1,282 @@
+"""The ``onnxport`` command line.
+
+Exit codes: 0 success, 2 bad usage (arguments the command cannot act on), 1 refusal (onnxport
+declined to write a file that would break a promise). Messages go to stderr, without a traceback
+unless ``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .errors import OnnxportError
+
+
+class UsageError(Exception):
+    """An argument the command cannot act on (exit code 2)."""
+
+
+# -- argument helpers -------------------------------------------------------------------------------
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a shape such as 1,3,224,224") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a shape of positive sizes such as 1,3,224,224")
+    return dims
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+
+def load_model(spec: str) -> Any:
+    """``package.module:callable`` returning an nn.Module, or a saved ``torch.export`` program (``.pt2``)."""
+    import torch
+
+    if spec.endswith(".pt2"):
+        if not Path(spec).is_file():
+            raise UsageError(f"MODEL '{spec}' does not exist.")
+        return torch.export.load(spec).module()
+    if ":" not in spec:
+        raise UsageError(f"MODEL '{spec}' must be 'package.module:callable' or a .pt2 file saved with torch.export.save.")
+    module_name, _, attr = spec.partition(":")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"MODEL '{spec}': cannot import '{module_name}': {error}.") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise UsageError(f"MODEL '{spec}': '{module_name}' has no '{attr}'.")
+    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"MODEL '{spec}' gave a {type(model).__name__}, not a torch.nn.Module.")
+    return model.eval()
+
+
+def _sample(shapes: list[tuple[int, ...]] | None, model: Any) -> tuple:
+    import torch
+
+    if not shapes:
+        raise UsageError("give the input shape(s) with --input-shape 1,3,224,224 (once per input).")
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*s, generator=generator) for s in shapes)
+
+
+def _calibration(source: str | None, sample: tuple, batch_size: int) -> list[tuple]:
+    import numpy as np
+    import torch
+
+    if source is None:
+        raise UsageError("give --calibration FILE.npy/.npz (or 'random' for a smoke test).")
+    if source == "random":
+        warnings.warn(
+            "RANDOM CALIBRATION: scales come from random inputs, not your data. The file is only good for "
+            "smoke tests; pass --calibration with real inputs for a model you deploy.",
+            UserWarning,
+            stacklevel=2,
+        )
+        generator = torch.Generator().manual_seed(1)
+        return [tuple(torch.randn(batch_size, *t.shape[1:], generator=generator) for t in sample) for _ in range(4)]
+    path = Path(source)
+    if not path.is_file():
+        raise UsageError(f"--calibration '{source}' does not exist.")
+    if path.suffix == ".npy":
+        arrays = [np.load(path)]
+    elif path.suffix == ".npz":
+        with np.load(path) as data:
+            arrays = [data[k] for k in data.files]
+    else:
+        raise UsageError(f"--calibration '{source}' must be a .npy or .npz file (one array per input).")
+    if len(arrays) != len(sample):
+        raise UsageError(f"--calibration holds {len(arrays)} array(s) but the model takes {len(sample)} input(s).")
+    n = arrays[0].shape[0]
+    return [tuple(torch.from_numpy(a[i : i + batch_size]).float() for a in arrays) for i in range(0, n, batch_size)]
+
+
+# -- commands ----------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo, summary_table
+
+    report = run_demo(args.out, quick=args.quick, progress=not args.no_progress, seed=args.seed)
+    print(summary_table(report))
+    print(f"\nfiles and report.json written to {Path(args.out).resolve()}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from . import export_onnx
+
+    model = load_model(args.model)
+    sample = _sample(args.input_shape, model)
+    kwargs: dict[str, Any] = {}
+    if args.quantize:
+        kwargs.update(quantize=True, quantize_mode=args.quantize)
+        if args.quantize == "static":
+            kwargs["calibration_data"] = _calibration(args.calibration, sample, args.batch_size)
+            kwargs["calibration_method"] = args.calibration_method
+    path = export_onnx(model, sample, args.output, opset_version=args.opset, optimize=not args.no_optimize,
+                       dynamic_batch=not args.static_batch, input_names=_names(args.input_names),
+                       output_names=_names(args.output_names), **kwargs)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_qdq(args: argparse.Namespace) -> int:
+    from . import Quantizer, export_qdq, qdq_stats
+
+    model = load_model(args.model)
+    sample = _sample(args.input_shape, model)
+    calibration = _calibration(args.calibration, sample, args.batch_size)
+    quantizer = Quantizer(target=args.target, observer=args.observer, qdq_placement=args.placement,
+                          qscheme=args.qscheme)
+    quantized = quantizer.quantize(model, calibration, dynamic_batch=True)
+    path = export_qdq(quantized, sample, args.output, opset_version=args.opset, activation_dtype=args.activation_dtype,
+                      dynamic_batch=not args.static_batch, input_names=_names(args.input_names),
+                      output_names=_names(args.output_names))
+    print(f"wrote {path}: {json.dumps(qdq_stats(path).as_dict())}")
+    return 0
+
+
+def cmd_encodings(args: argparse.Namespace) -> int:
+    from . import encodings_to_onnx_qdq, save_model
+
+    force = None if args.force_activation_as == "none" else args.force_activation_as
+    model = encodings_to_onnx_qdq(args.model, args.encodings, prequantize_constants=args.prequantize_constants,
+                                  force_activation_as=force, derive_data_movement=not args.no_derive_data_movement)
+    path = save_model(model, args.output)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from . import qdq_report
+
+    if not Path(args.file).is_file():
+        raise UsageError(f"FILE '{args.file}' does not exist.")
+    report = qdq_report(args.file, ort=not args.no_ort)
+    print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else str(report))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from . import compare_onnx
+
+    model = load_model(args.model)
+    sample = _sample(args.input_shape, model)
+    report = compare_onnx(model, args.file, sample, rtol=args.rtol, atol=args.atol)
+    print(report)
+    if not report.passed:
+        print("the file does not match the model within tolerance", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        bench = importlib.import_module("bench.__main__")
+    except ImportError:
+        raise UsageError("the benchmarks live in the source checkout: run 'onnxport bench' from its root.") from None
+    return bench.main(args.only)
+
+
+# -- the parser -------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnxport", description="PyTorch to deployable ONNX, every claim checked on the file.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run every path on a built-in model and data (no downloads)")
+    demo.add_argument("--out", default="onnxport-demo", help="output folder (default ./onnxport-demo)")
+    demo.add_argument("--quick", action="store_true", help="fewer training steps (CI)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    demo.set_defaults(func=cmd_demo)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", metavar="MODEL", help="package.module:callable returning an nn.Module, or a .pt2 file")
+        p.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE", help="e.g. 1,3,224,224; once per input")
+        p.add_argument("--input-names", help="comma-separated graph input names")
+        p.add_argument("--output-names", help="comma-separated graph output names")
+
+    export = sub.add_parser("export", help="float export, optionally ONNX Runtime INT8")
+    model_args(export)
+    export.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    export.add_argument("--opset", type=int, default=17)
+    export.add_argument("--quantize", choices=("dynamic", "static"), help="quantize with ONNX Runtime")
+    export.add_argument("--calibration", help=".npy/.npz inputs, or 'random' (smoke tests only)")
+    export.add_argument("--calibration-method", default="minmax", choices=("minmax", "entropy", "percentile"))
+    export.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
+    export.add_argument("--no-optimize", action="store_true")
+    export.add_argument("--static-batch", action="store_true", help="keep the sample's batch size fixed")
+    export.set_defaults(func=cmd_export)
+
+    qdq = sub.add_parser("qdq", help="pt2e-quantize and export faithful Q/DQ")
+    model_args(qdq)
+    qdq.add_argument("-o", "--output", required=True)
+    qdq.add_argument("--calibration", help=".npy/.npz inputs, or 'random' (smoke tests only)")
+    qdq.add_argument("--batch-size", type=int, default=8)
+    qdq.add_argument("--target", choices=("tensorrt", "onnxruntime", "qnn"))
+    qdq.add_argument("--observer", default="histogram", choices=("histogram", "minmax", "percentile"))
+    qdq.add_argument("--placement", default="per_op", choices=("per_op", "skip_conv_add"))
+    qdq.add_argument("--qscheme", default="per_channel", choices=("per_channel", "per_tensor"))
+    qdq.add_argument("--activation-dtype", choices=("int8", "uint8"))
+    qdq.add_argument("--opset", type=int)
+    qdq.add_argument("--static-batch", action="store_true")
+    qdq.set_defaults(func=cmd_qdq)
+
+    enc = sub.add_parser("encodings", help="ONNX model + AIMET encodings -> ONNX Q/DQ")
+    enc.add_argument("model", metavar="MODEL.onnx")
+    enc.add_argument("encodings", metavar="FILE.encodings")
+    enc.add_argument("-o", "--output", required=True)
+    enc.add_argument("--prequantize-constants", action="store_true")
+    enc.add_argument("--force-activation-as", default="unsigned", choices=("unsigned", "signed", "none"))
+    enc.add_argument("--no-derive-data-movement", action="store_true")
+    enc.set_defaults(func=cmd_encodings)
+
+    stats = sub.add_parser("stats", help="what a Q/DQ file contains (qdq_stats + qdq_report)")
+    stats.add_argument("file", metavar="FILE.onnx")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.add_argument("--no-ort", action="store_true", help="skip reading ONNX Runtime's optimised graph")
+    stats.set_defaults(func=cmd_stats)
+
+    verify = sub.add_parser("verify", help="compare a float ONNX file with the PyTorch model on random inputs")
+    model_args(verify)
+    verify.add_argument("file", metavar="FILE.onnx")
+    verify.add_argument("--rtol", type=float, default=1e-3)
+    verify.add_argument("--atol", type=float, default=1e-5)
+    verify.set_defaults(func=cmd_verify)
+
+    bench = sub.add_parser("bench", help="run the benchmarks under bench/ (source checkout)")
+    bench.add_argument("--only", nargs="*", help="benchmark names to run")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as error:
+        if args.debug:
+            raise
+        print(f"onnxport {args.command}: {error}", file=sys.stderr)
+        return 2
+    except OnnxportError as error:
+        if args.debug:
+            raise
+        print(f"onnxport {args.command}: refused: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

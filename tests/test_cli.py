@@ -1,0 +1,103 @@
+"""The onnxport command through real processes and real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def onnxport(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxport", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+@pytest.mark.parametrize("command", ["demo", "export", "qdq", "encodings", "stats", "verify", "bench"])
+def test_every_command_has_help(command):
+    result = onnxport(command, "--help")
+    assert result.returncode == 0 and "usage: onnxport" in result.stdout
+
+
+def test_export_verify_and_static_int8_with_random_calibration(tmp_path):
+    out = tmp_path / "tiny.onnx"
+    result = onnxport("export", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    onnx.checker.check_model(str(out))
+    result = onnxport("verify", "tests.cli_models:tiny", str(out), "--input-shape", "5,3,8,8")
+    assert result.returncode == 0 and "yes" in result.stdout
+    q = tmp_path / "tiny_s8.onnx"
+    result = onnxport("export", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(q), "--quantize", "static",
+                      "--calibration", "random")
+    assert result.returncode == 0, result.stderr
+    assert "RANDOM CALIBRATION" in result.stderr
+    assert any(n.op_type == "QuantizeLinear" for n in onnx.load(str(q)).graph.node)
+
+
+def test_qdq_from_npz_then_stats_json_then_encodings_round_trip(tmp_path):
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    out = tmp_path / "tiny_qdq.onnx"
+    result = onnxport("qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out), "--calibration", str(calib),
+                      "--target", "onnxruntime")
+    assert result.returncode == 0, result.stderr
+    result = onnxport("stats", str(out), "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["stats"]["n_per_channel"] == 2 and report["extra"]["ort_int8"]["Conv"]["int8"] == 1
+    # encodings: write them from the file, strip it to float, convert back
+    from onnxport import onnx_qdq_to_encodings, strip_qdq
+
+    model = onnx.load(str(out))
+    (tmp_path / "tiny.encodings").write_text(json.dumps(onnx_qdq_to_encodings(model)))
+    onnx.save(strip_qdq(model), str(tmp_path / "float.onnx"))
+    back = tmp_path / "back.onnx"
+    result = onnxport("encodings", str(tmp_path / "float.onnx"), str(tmp_path / "tiny.encodings"), "-o", str(back),
+                      "--force-activation-as", "none", "--prequantize-constants")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(onnxport("stats", str(back), "--json", "--no-ort").stdout)["stats"]["n_per_channel"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["export", "tests.cli_models:tiny", "-o", "x.onnx"], "--input-shape"),
+        (["export", "tests.cli_models", "--input-shape", "1,3,8,8", "-o", "x.onnx"], "package.module:callable"),
+        (["export", "tests.cli_models:not_a_model", "--input-shape", "1,3,8,8", "-o", "x.onnx"], "not a torch.nn.Module"),
+        (["export", "tests.cli_models:tiny", "--input-shape", "1,a", "-o", "x.onnx"], "is not a shape"),
+        (["qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", "x.onnx"], "--calibration"),
+        (["stats", "missing.onnx"], "does not exist"),
+    ],
+)
+def test_bad_usage_exits_2_and_writes_nothing(tmp_path, args, message):
+    result = onnxport(*[a if a != "x.onnx" else str(tmp_path / "x.onnx") for a in args])
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_refusal_exits_1_without_traceback_and_leaves_no_file(tmp_path):
+    out = tmp_path / "trt.onnx"
+    result = onnxport("qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out), "--calibration", "random",
+                      "--target", "tensorrt", "--activation-dtype", "uint8")
+    assert result.returncode == 1 and "refused" in result.stderr and "breaks target 'tensorrt'" in result.stderr
+    assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+    debug = onnxport("--debug", "qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out), "--calibration",
+                     "random", "--target", "tensorrt", "--activation-dtype", "uint8")
+    assert "Traceback" in debug.stderr
+
+
+def test_demo_quick_writes_every_section(tmp_path):
+    result = onnxport("demo", "--quick", "--no-progress", "--out", str(tmp_path / "demo"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert set(report) >= {"training", "files", "pt2e", "encodings_round_trip", "seconds"}
+    assert set(report["files"]) == {"fp32", "ort_dynamic_int8", "ort_static_int8", "qdq_int8", "qdq_uint8", "qdq_opset17",
+                                    "qdq_onnxruntime", "qdq_from_encodings"}
+    assert report["files"]["fp32"]["verified"] and report["encodings_round_trip"]["byte_identical"]
+    assert report["files"]["qdq_int8"]["verify_qdq"] >= 0.99 and report["files"]["qdq_opset17"]["opset"] == 17
+    assert report["training"]["test_accuracy"] > 0.6
+    assert "AIMET encodings round trip" in result.stdout
