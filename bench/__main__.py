@@ -47,8 +47,11 @@ def _chart(results: dict, path: Path) -> bool:
 def main(only: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE.parent))
     chosen = [b for b in BENCHMARKS if not only or b in only]
-    results: dict = {"date": datetime.date.today().isoformat(), "machine": platform.platform(),
-                     "processor": platform.processor(), "python": platform.python_version()}
+    saved = HERE / "results.json"
+    # A partial run (`python -m bench NAME`) updates the saved results instead of dropping the rest.
+    results: dict = json.loads(saved.read_text()) if only and saved.exists() else {}
+    results.update({"date": datetime.date.today().isoformat(), "machine": platform.platform(),
+                    "processor": platform.processor(), "python": platform.python_version()})
     for name in chosen:
         module = importlib.import_module(f"bench.{name}")
         start = time.perf_counter()

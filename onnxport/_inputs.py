@@ -64,6 +64,19 @@ def split_batch(batch: Any, reference: Sequence[torch.Tensor]) -> tuple[torch.Te
     return None
 
 
+def require_batches(data: Any, argument: str) -> None:
+    """``data`` must be an iterable of batches (a DataLoader, a list…), not a tensor or nothing."""
+    if data is None:
+        raise InvalidArgumentError(
+            f"{argument} is required: pass an iterable of input batches (a DataLoader works)."
+        )
+    if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
+        raise InvalidArgumentError(
+            f"{argument} must be an iterable of batches (a DataLoader, or a list of tensors, of "
+            f"tuples of inputs or of (inputs, target) pairs), not {_describe(data)}."
+        )
+
+
 def calibration_batches(
     data: Iterable[Any] | None,
     reference: Sequence[torch.Tensor],
@@ -80,15 +93,7 @@ def calibration_batches(
         limit: stop after this many samples (counted along the batch dimension), never
             overshooting: the last batch is trimmed.
     """
-    if data is None:
-        raise InvalidArgumentError(
-            f"{argument} is required: pass an iterable of input batches (a DataLoader works)."
-        )
-    if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
-        raise InvalidArgumentError(
-            f"{argument} must be an iterable of batches (a DataLoader, or a list of tensors, of "
-            f"tuples of inputs or of (inputs, target) pairs), not {_describe(data)}."
-        )
+    require_batches(data, argument)
     expected = ", ".join(f"Tensor(N, {', '.join(map(str, t.shape[1:]))})" for t in reference)
     batches: list[tuple[torch.Tensor, ...]] = []
     seen = 0

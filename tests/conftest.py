@@ -27,3 +27,13 @@ def listing(directory: Path) -> dict[str, str]:
         for p in sorted(directory.rglob("*"))
         if p.is_file()
     }
+
+
+@pytest.fixture()
+def guarded(tmp_path):
+    """A directory holding a previous good file; yields it and asserts nothing there changed."""
+    previous = tmp_path / "model.onnx"
+    previous.write_bytes(b"a previous, good file")
+    before = listing(tmp_path)
+    yield previous
+    assert listing(tmp_path) == before

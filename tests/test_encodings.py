@@ -481,3 +481,29 @@ def test_round_trip_is_the_identity_on_normalised_entries():
     assert sorted(back["encodings"], key=lambda e: e["name"]) == sorted(enc["encodings"], key=lambda e: e["name"])
     again = encodings_to_onnx_qdq(conv_model(), back, force_activation_as=None, derive_data_movement=False)
     np.testing.assert_array_equal(run(again, {"input": X})[0], run(q, {"input": X})[0])
+
+
+def test_strict_symmetric_legacy_offset_is_zero_point_minus_one():  # §4.1 #17
+    enc = {"version": "1.0.0", "activation_encodings": [], "param_encodings": [
+        {"name": "conv.weight", "dtype": "INT", "enc_type": "PER_CHANNEL", "bw": 8, "is_sym": True,
+         "scale": [0.01] * 4, "offset": [-127] * 4}]}
+    q = encodings_to_onnx_qdq(conv_model(), enc, derive_data_movement=False)
+    # AIMET's strict grid is [-127s, 127s]; Q/DQ can state the grid's offset (zero-point -1) but not
+    # AIMET's clamp at +127s, so +128s stays representable: the closest exact translation.
+    assert np.all(init(q, "conv.weight_zero_point") == -1)
+
+
+def test_encodings_and_stats_never_import_torch(tmp_path):
+    import subprocess
+    import sys
+
+    onnx.save(conv_model(), str(tmp_path / "m.onnx"))
+    code = (
+        "import sys, onnxport\n"
+        f"m = onnxport.encodings_to_onnx_qdq(r'{tmp_path / 'm.onnx'}', {{'version': '2.0.0', 'encodings': "
+        "[{'name': 'input', 'output_dtype': 'uint8', 'y_scale': 0.1}]})\n"
+        "onnxport.qdq_stats(m); onnxport.onnx_qdq_to_encodings(m)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

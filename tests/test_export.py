@@ -9,7 +9,6 @@ import torch
 
 from onnxport import ONNXModel, compare_onnx, export_onnx, verify_onnx
 from onnxport.errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning
-from tests.conftest import listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer, TwoInTwoOut
 
 
@@ -166,16 +165,6 @@ def test_static_calibration_methods_and_types(trained, tmp_path, method):
 
 
 # -- Bad input: a clear error before anything is written -------------------------------------
-@pytest.fixture()
-def guarded(tmp_path):
-    """A directory holding a previous good file; yields it and asserts nothing changed."""
-    previous = tmp_path / "model.onnx"
-    previous.write_bytes(b"a previous, good file")
-    before = listing(tmp_path)
-    yield previous
-    assert listing(tmp_path) == before
-
-
 SAMPLE = torch.randn(2, 3, 16, 16)
 
 

@@ -20,7 +20,6 @@ from onnxport._checks import run
 from onnxport.errors import InvalidArgumentError
 from onnxport.qdq.translation import exporter_translates_pt2e, fallback_table
 from onnxport.qdq.verify import VacuousCheckWarning
-from tests.conftest import listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer, TwoInTwoOut
 
 SAMPLE = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
@@ -168,15 +167,6 @@ def test_native_translation_is_used_and_the_fallback_agrees(resnet_models, tmp_p
 
 
 # -- refusals: a clear error, and nothing written ---------------------------------------------------
-@pytest.fixture()
-def guarded(tmp_path):
-    previous = tmp_path / "model.onnx"
-    previous.write_bytes(b"a previous, good file")
-    before = listing(tmp_path)
-    yield previous
-    assert listing(tmp_path) == before
-
-
 def test_torchao_models_are_refused_naming_the_precision(guarded):
     model = nn.Sequential(nn.Linear(16, 8)).eval()
     q = Quantizer(backend="torchao", method="int8_weight_only").quantize(model)

@@ -319,7 +319,7 @@ def test_bad_construction(kwargs, message):
 
 
 def test_bad_calibration(resnet):
-    with pytest.raises(InvalidArgumentError, match="needs calibration_dl"):
+    with pytest.raises(InvalidArgumentError, match="calibration_dl is required"):
         Quantizer().quantize(resnet)
     with pytest.raises(InvalidArgumentError, match="yielded no batches"):
         Quantizer().quantize(resnet, [])

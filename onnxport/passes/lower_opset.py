@@ -12,6 +12,7 @@ import onnx
 import onnx.defs
 from onnx import numpy_helper
 
+from .._graph import walk_graphs
 from ..errors import ExportRefusedError
 
 _REDUCE_OPS = {
@@ -113,14 +114,9 @@ class _Lowering:
             )
 
     def walk(self, graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            self.lower_node(node)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    self.walk(attr.g)
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for g in attr.graphs:
-                        self.walk(g)
+        for inner in walk_graphs(graph):
+            for node in inner.node:
+                self.lower_node(node)
 
 
 def _older_schema(op: str, target: int):
@@ -131,14 +127,9 @@ def _older_schema(op: str, target: int):
 
 
 def _used_names(graph: onnx.GraphProto, used: set[str]) -> set[str]:
-    for node in graph.node:
-        used.update(node.input)
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _used_names(attr.g, used)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    _used_names(g, used)
+    for inner in walk_graphs(graph):
+        for node in inner.node:
+            used.update(node.input)
     used.update(o.name for o in graph.output)
     return used
 

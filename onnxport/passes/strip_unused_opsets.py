@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import onnx
 
+from .._graph import walk_graphs
+
 
 def _domains(graph: onnx.GraphProto, found: set[str]) -> set[str]:
-    for node in graph.node:
-        found.add(node.domain or "")
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _domains(attr.g, found)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    _domains(g, found)
+    for inner in walk_graphs(graph):
+        found.update(node.domain or "" for node in inner.node)
     return found
 
 

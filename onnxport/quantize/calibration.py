@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._inputs import calibration_batches
+from .._inputs import calibration_batches, require_batches
 from ..errors import InvalidArgumentError
 
 
@@ -61,15 +61,7 @@ def read_calibration(
     data: Iterable[Any] | None, model: torch.nn.Module, limit: int | None, argument: str = "calibration_dl"
 ) -> list[tuple[torch.Tensor, ...]]:
     """Every calibration batch as a tuple of CPU tensors, checked against the first batch."""
-    if data is None:
-        raise InvalidArgumentError(
-            f"Static pt2e quantization needs {argument}: an iterable of calibration batches (a DataLoader works)."
-        )
-    if isinstance(data, (torch.Tensor, str, bytes)) or not isinstance(data, Iterable):
-        raise InvalidArgumentError(
-            f"{argument} must be an iterable of batches (a DataLoader, or a list of tensors, tuples of "
-            f"inputs or (inputs, target) pairs), not {type(data).__name__}."
-        )
+    require_batches(data, argument)
     iterator = iter(data)
     first = next(iterator, None)
     if first is None:
