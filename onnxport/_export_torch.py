@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import warnings
 from collections.abc import Sequence
 
@@ -14,6 +15,22 @@ from .errors import ExportRefusedError, InvalidArgumentError
 
 #: The oldest opset the dynamo exporter writes; older requests are lowered afterwards.
 EXPORTER_MIN_OPSET = 18
+
+
+@contextlib.contextmanager
+def quiet_registry():
+    """Silence the exporter's registry for the block.
+
+    It logs a warning per torchvision operator it cannot register when torchvision is absent
+    (it is, on purpose): noise that says nothing about the user's model.
+    """
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def default_names(prefix: str, count: int) -> list[str]:
@@ -65,7 +82,7 @@ def torch_to_onnx(
     inputs = tracing_inputs(inputs, dynamic_batch)
     chatter = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(chatter):
+        with quiet_registry(), warnings.catch_warnings(), contextlib.redirect_stdout(chatter):
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*The axis name")

@@ -13,6 +13,7 @@ from onnxport import (
     compare_qdq,
     export_qdq,
     qdq_report,
+    quant_spec,
     qdq_stats,
     verify_qdq,
 )
@@ -223,3 +224,16 @@ def test_verify_qdq_bad_batches_and_vacuous_warning(resnet_files, resnet_models)
     constant = torch.zeros(4, 3, 32, 32)
     with pytest.warns(VacuousCheckWarning, match="vacuous"):
         assert verify_qdq(q, resnet_files["int8"], constant) == 1.0
+
+
+def test_a_pt2e_model_without_a_record_is_exported(resnet_models, tmp_path):
+    import copy
+
+    from onnxport.quantize.spec import SPEC_ATTRIBUTE
+
+    q = copy.deepcopy(resnet_models[0])
+    q.__dict__.pop(SPEC_ATTRIBUTE, None)
+    q.meta.pop(SPEC_ATTRIBUTE, None)
+    assert quant_spec(q) is None  # made by "another quantizer"
+    path = export_qdq(q, SAMPLE, tmp_path / "untagged.onnx")
+    assert qdq_stats(path).n_per_channel == 21

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -280,7 +281,9 @@ def test_record_contents_survive_deepcopy_and_pickle(q_resnet):
         symmetric=True, placement="per_op", observer="histogram",
     )
     assert quant_spec(copy.deepcopy(q_resnet)) == spec
-    restored = pickle.loads(pickle.dumps(q_resnet))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation inside unpickling
+        restored = pickle.loads(pickle.dumps(q_resnet))
     assert quant_spec(restored) == spec
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(restored(x), q_resnet(x))

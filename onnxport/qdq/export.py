@@ -130,12 +130,16 @@ def export_qdq(
     out_names = check_names(output_names, n_outputs, "output_names", "output")
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
 
-    with staged_output(target) as staged:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=4, desc="export_qdq", leave=False, disable=None)
+    with staged_output(target) as staged, bar:
         with eval_mode(model):
             produced = torch_to_onnx(
                 model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
                 dynamic_batch=dynamic_batch, custom_translation_table=translation_table(),
             )
+        bar.update()
         check_standard_qdq(produced)
         check_faithful(produced, expected)
         graph = produced
@@ -151,6 +155,7 @@ def export_qdq(
             )
             graph = folded
         graph = strip_unused_opsets(add_conv_kernel_shape(graph))
+        bar.update()
         _checks.check_declared_opset(graph, opset_version)
         if spec is not None and spec.placement == "skip_conv_add" and qdq_stats(graph).n_unquantized_conv_add == 0:
             raise ExportRefusedError(
@@ -159,6 +164,7 @@ def export_qdq(
             )
         if activation_dtype == "uint8":
             graph = _to_uint8_checked(graph, feeds, staged.parent)
+        bar.update()
         write_model(graph, staged)
         onnx.checker.check_model(str(staged))
         if preset is not None:
@@ -172,6 +178,7 @@ def export_qdq(
         if dynamic_batch:
             _checks.check_dynamic_batch(onnx.load_model(str(staged), load_external_data=False))
             _checks.run(staged, {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()}, optimized=True)
+        bar.update()
     return target
 
 

@@ -28,7 +28,10 @@ def exporter_translates_pt2e() -> bool:
     try:
         from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-        registry = ONNXRegistry.from_torchlib()
+        from .._export_torch import quiet_registry
+
+        with quiet_registry():
+            registry = ONNXRegistry.from_torchlib()
         return all(registry.is_registered(op) for op in pt2e_ops())
     except Exception:  # a private API that moved: hand over our table, which is always correct
         return False
