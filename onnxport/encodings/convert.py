@@ -84,13 +84,11 @@ def _shape_of(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
     return None if any(d < 0 for d in dims) else dims
 
 
-#: Names computed in more than one body (an If's two branches may reuse a name): the extra
-#: definitions, filled by the last ``_index`` call.
-_DEFINED_ELSEWHERE: dict[str, list[TensorInfo]] = {}
-
-
-def _index(model: onnx.ModelProto) -> tuple[dict[str, TensorInfo], dict[str, list[tuple[onnx.NodeProto, int]]]]:
-    """Every tensor the encodings may name (subgraphs included), and who reads each one."""
+def _index(
+    model: onnx.ModelProto,
+) -> tuple[dict[str, TensorInfo], dict[str, list[tuple[onnx.NodeProto, int]]], dict[str, list[TensorInfo]]]:
+    """Every tensor the encodings may name (subgraphs included), who reads each one, and — for
+    names computed in several bodies (an If's two branches may reuse a name) — every definition."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
         known = {v.name: v for v in [*inferred.value_info, *inferred.input, *inferred.output]}
@@ -125,9 +123,7 @@ def _index(model: onnx.ModelProto) -> tuple[dict[str, TensorInfo], dict[str, lis
                 )
                 defined.setdefault(name, []).append(entry)
                 info.setdefault(name, entry)
-    _DEFINED_ELSEWHERE.clear()
-    _DEFINED_ELSEWHERE.update({k: v[1:] for k, v in defined.items() if len(v) > 1})
-    return info, readers
+    return info, readers, defined
 
 
 # -- force_activation_as -----------------------------------------------------------------------------
@@ -195,9 +191,12 @@ def quantize_array(x: np.ndarray, entry: Encoding, scale: np.ndarray) -> np.ndar
 
 # -- rewriting -----------------------------------------------------------------------------------------
 class _Rewriter:
-    def __init__(self, model: onnx.ModelProto, info: dict[str, TensorInfo], base: Path | None) -> None:
+    def __init__(
+        self, model: onnx.ModelProto, info: dict[str, TensorInfo], defined: dict[str, list[TensorInfo]], base: Path | None
+    ) -> None:
         self.model = model
         self.info = info
+        self.defined = defined
         self.base = base
         self.taken = all_names(model)
         self.dead_constants: set[str] = set()
@@ -232,7 +231,7 @@ class _Rewriter:
         return out
 
     def insert(self, entry: Encoding, prequantize: bool) -> None:
-        for info in [self.info[entry.name], *_DEFINED_ELSEWHERE.get(entry.name, [])]:
+        for info in self.defined.get(entry.name) or [self.info[entry.name]]:
             self._insert_in(entry, info, prequantize)
 
     def _insert_in(self, entry: Encoding, info: TensorInfo, prequantize: bool) -> None:
@@ -412,7 +411,7 @@ def encodings_to_onnx_qdq(
     parsed = parse_encodings(load_encodings(encodings))  # the whole file, before the graph
     work, base = _load_model(model)
     _float_gate(work)
-    info, readers = _index(work)
+    info, readers, _ = _index(work)
     missing = sorted(e.name for e in parsed.entries if e.name not in info)
     if missing:
         raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
@@ -430,9 +429,8 @@ def encodings_to_onnx_qdq(
     if derive_data_movement:
         entries += derive_encodings(work, {e.name: e for e in entries}, info)
     work = _raise_opset(work, required_opset(entries))
-    if work is not None:
-        info, _ = _index(work)
-    rewriter = _Rewriter(work, info, base)
+    info, _, defined = _index(work)  # the upgraded model is a new proto
+    rewriter = _Rewriter(work, info, defined, base)
     for entry in entries:
         rewriter.insert(entry, prequantize_constants)
     rewriter.finish()

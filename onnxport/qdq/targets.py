@@ -34,7 +34,7 @@ def _qdq_nodes(model: onnx.ModelProto):
     for graph in walk_graphs(model.graph):
         for node in graph.node:
             if is_default_domain(node) and node.op_type in ("QuantizeLinear", "DequantizeLinear"):
-                yield graph, node
+                yield node
 
 
 def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) -> list[str]:
@@ -64,7 +64,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
 
     weight_values = _weight_inputs(model)
     activation_types: Counter[int] = Counter()
-    for graph, node in _qdq_nodes(model):
+    for node in _qdq_nodes(model):
         zp, dtype = zero_point(node)
         of_constant = node.op_type == "DequantizeLinear" and node.input[0] in consts
         is_weight = of_constant and node.output[0] in weight_values
