@@ -101,3 +101,16 @@ def test_demo_quick_writes_every_section(tmp_path):
     assert report["files"]["qdq_int8"]["verify_qdq"] >= 0.99 and report["files"]["qdq_opset17"]["opset"] == 17
     assert report["training"]["test_accuracy"] > 0.6
     assert "AIMET encodings round trip" in result.stdout
+
+
+def test_export_from_a_saved_torch_export_program(tmp_path):
+    import torch
+
+    from tests.cli_models import tiny
+
+    program = torch.export.export(tiny(), (torch.randn(2, 3, 8, 8),))
+    torch.export.save(program, str(tmp_path / "tiny.pt2"))
+    out = tmp_path / "from_pt2.onnx"
+    result = onnxport("export", str(tmp_path / "tiny.pt2"), "--input-shape", "2,3,8,8", "-o", str(out), "--static-batch")
+    assert result.returncode == 0, result.stderr
+    onnx.checker.check_model(str(out))

@@ -508,3 +508,36 @@ def test_encodings_and_stats_never_import_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_conv_transpose_legacy_axis_and_a_residual_transpose_chain():
+    w = RNG.standard_normal((4, 4, 2, 2)).astype(np.float32)  # ConvTranspose (in, out, k, k): in == out
+    model = _model(
+        [
+            helper.make_node("ConvTranspose", ["input", "up.weight"], ["up"], strides=[2, 2]),
+            helper.make_node("Transpose", ["up"], ["t1"], perm=[0, 1, 3, 2]),
+            helper.make_node("Transpose", ["t1"], ["t2"], perm=[0, 1, 3, 2]),
+            helper.make_node("Add", ["t2", "up"], ["output"]),  # a residual add over the chain
+        ],
+        [helper.make_tensor_value_info("input", T.FLOAT, [1, 4, 3, 3])],
+        [helper.make_tensor_value_info("output", T.FLOAT, [1, 4, 6, 6])],
+        [numpy_helper.from_array(w, "up.weight")],
+    )
+    enc = {"version": "1.0.0", "param_encodings": [
+        {"name": "up.weight", "dtype": "INT", "enc_type": "PER_CHANNEL", "bw": 8, "is_sym": True,
+         "scale": [0.01, 0.02, 0.03, 0.04], "offset": [-128] * 4}],
+        "activation_encodings": [{"name": "up", "dtype": "INT", "enc_type": "PER_TENSOR", "bw": 8, "is_sym": False,
+                                  "scale": [0.05], "offset": [-128]}]}
+    q = encodings_to_onnx_qdq(model, enc)
+    dq_w = next(n for n in nodes_of(q, "DequantizeLinear") if n.output[0].startswith("up.weight"))
+    assert helper.get_attribute_value(dq_w.attribute[0]) == 1  # ConvTranspose: output channels on axis 1
+    names = {e["name"] for e in onnx_qdq_to_encodings(q)["encodings"]}
+    assert {"up", "t1", "t2"} <= names  # the Transpose chain takes the encoding of what it moves
+    x = RNG.standard_normal((1, 4, 3, 3)).astype(np.float32)
+    ref_w = fake_quant(w, [0.01, 0.02, 0.03, 0.04], 0, -128, 127, axis=1)
+    up = run(_model([helper.make_node("ConvTranspose", ["input", "up.weight"], ["output"], strides=[2, 2])],
+                    [helper.make_tensor_value_info("input", T.FLOAT, [1, 4, 3, 3])],
+                    [helper.make_tensor_value_info("output", T.FLOAT, [1, 4, 6, 6])],
+                    [numpy_helper.from_array(ref_w, "up.weight")]), {"input": x})[0]
+    up_q = fake_quant(up, 0.05, 128, 0, 255)
+    np.testing.assert_allclose(run(q, {"input": x})[0], up_q + up_q, atol=1e-5)
