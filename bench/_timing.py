@@ -33,3 +33,20 @@ def ops_after_ort_optimisation(path: str, out_path: str) -> dict[str, int]:
     for node in onnx.load(str(out_path)).graph.node:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return counts
+
+
+def latencies(files: dict, batches: tuple[int, ...] = (1, 8), side: int = 224) -> dict[str, dict[str, float]]:
+    """``{name: {"batch1_ms": …, "batch8_ms": …}}`` for image models, every file fed the same input."""
+    import torch
+
+    table: dict[str, dict[str, float]] = {name: {} for name in files}
+    for batch in batches:
+        feeds = {"input": torch.randn(batch, 3, side, side).numpy()}
+        for name, path in files.items():
+            table[name][f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds)
+    return table
+
+
+def speedup(entry: dict, baseline: dict, batch: int) -> float:
+    """How many times faster ``entry`` ran than ``baseline`` at ``batch``."""
+    return baseline[f"batch{batch}_ms"] / entry[f"batch{batch}_ms"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import ops_after_ort_optimisation, ort_latency_ms
+from bench._timing import latencies, ops_after_ort_optimisation, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18  # noqa: E402  (the test models are the benchmark models)
@@ -39,11 +39,7 @@ def run(out_dir: Path | None = None) -> dict:
         start = time.perf_counter()
         files[name] = export_onnx(model, sample, out / f"resnet18_{name}.onnx", **kwargs)
         export_s[name] = time.perf_counter() - start
-    results: dict = {"model": "ResNet-18 224x224", "files": {}}
-    for batch in (1, 8):
-        feeds = {"input": torch.randn(batch, 3, 224, 224).numpy()}
-        for name, path in files.items():
-            results["files"].setdefault(name, {})[f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds)
+    results: dict = {"model": "ResNet-18 224x224", "files": latencies(files)}
     for name, path in files.items():
         entry = results["files"][name]
         entry["export_s"] = export_s[name]
@@ -51,8 +47,7 @@ def run(out_dir: Path | None = None) -> dict:
         ops = ops_after_ort_optimisation(str(path), str(out / f"ort_{name}.onnx"))
         entry["ort_qlinearconv"] = ops.get("QLinearConv", 0)
         for batch in (1, 8):
-            base = results["files"]["fp32"][f"batch{batch}_ms"]
-            entry[f"batch{batch}_speedup"] = base / entry[f"batch{batch}_ms"]
+            entry[f"batch{batch}_speedup"] = speedup(entry, results["files"]["fp32"], batch)
     return results
 
 

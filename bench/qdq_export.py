@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import ops_after_ort_optimisation, ort_latency_ms
+from bench._timing import latencies, ops_after_ort_optimisation, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18  # noqa: E402
@@ -45,17 +45,14 @@ def run(out_dir: Path | None = None) -> dict:
     files["ort_quantize_static"] = export_onnx(
         model, sample, out / "ort_static.onnx", quantize=True, quantize_mode="static", calibration_data=calib
     )
-    results: dict = {"export_s": {"torch.onnx.export": bare_s, "export_qdq": ours_s, "ratio": ours_s / bare_s}, "files": {}}
-    for batch in (1, 8):
-        feeds = {"input": torch.randn(batch, 3, 224, 224).numpy()}
-        for name, path in files.items():
-            results["files"].setdefault(name, {})[f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds)
+    results: dict = {"export_s": {"torch.onnx.export": bare_s, "export_qdq": ours_s, "ratio": ours_s / bare_s},
+                     "files": latencies(files)}
     for name, path in files.items():
         entry = results["files"][name]
         ops = ops_after_ort_optimisation(str(path), str(out / f"ort_{name}.onnx"))
         entry["ort_qlinearconv"] = ops.get("QLinearConv", 0)
         for batch in (1, 8):
-            entry[f"batch{batch}_speedup"] = results["files"]["fp32"][f"batch{batch}_ms"] / entry[f"batch{batch}_ms"]
+            entry[f"batch{batch}_speedup"] = speedup(entry, results["files"]["fp32"], batch)
     return results
 
 

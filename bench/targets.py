@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import ort_latency_ms
+from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import MobileNetV2Small, ResNet18  # noqa: E402
@@ -37,18 +37,14 @@ def run(out_dir: Path | None = None) -> dict:
         for target in ("tensorrt", "onnxruntime", "qnn"):
             q = Quantizer(target=target).quantize(model, calib)
             files[target] = export_qdq(q, sample, out / f"{name}_{target}.onnx", dynamic_batch=True)
-        entry: dict = {}
-        for batch in (1, 8):
-            feeds = {"input": torch.randn(batch, 3, 224, 224).numpy()}
-            for file, path in files.items():
-                entry.setdefault(file, {})[f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds)
+        entry = latencies(files)
         for file, path in files.items():
             e = entry[file]
             counts = ort_int8_counts(path)["Conv"]
             e["int8_convs"] = f"{counts['int8']}/{counts['int8'] + counts['float']}"
             for batch in (1, 8):
-                e[f"batch{batch}_vs_fp32"] = entry["fp32"][f"batch{batch}_ms"] / e[f"batch{batch}_ms"]
-                e[f"batch{batch}_vs_ort"] = entry["ort_quantize_static"][f"batch{batch}_ms"] / e[f"batch{batch}_ms"]
+                e[f"batch{batch}_vs_fp32"] = speedup(e, entry["fp32"], batch)
+                e[f"batch{batch}_vs_ort"] = speedup(e, entry["ort_quantize_static"], batch)
         results[name] = entry
     return results
 
