@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import latencies, ops_after_ort_optimisation, speedup
+from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18  # noqa: E402  (the test models are the benchmark models)
@@ -23,6 +23,7 @@ from tests.models import ResNet18  # noqa: E402  (the test models are the benchm
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import export_onnx
+    from onnxport.qdq.targets import ort_optimised_ops
 
     torch.manual_seed(0)
     model = ResNet18().eval()
@@ -44,8 +45,7 @@ def run(out_dir: Path | None = None) -> dict:
         entry = results["files"][name]
         entry["export_s"] = export_s[name]
         entry["size_mb"] = path.stat().st_size / 1e6
-        ops = ops_after_ort_optimisation(str(path), str(out / f"ort_{name}.onnx"))
-        entry["ort_qlinearconv"] = ops.get("QLinearConv", 0)
+        entry["ort_qlinearconv"] = ort_optimised_ops(path)["QLinearConv"]
         for batch in (1, 8):
             entry[f"batch{batch}_speedup"] = speedup(entry, results["files"]["fp32"], batch)
     return results

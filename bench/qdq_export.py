@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench._timing import latencies, ops_after_ort_optimisation, speedup
+from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18  # noqa: E402
@@ -21,6 +21,7 @@ from tests.models import ResNet18  # noqa: E402
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
+    from onnxport.qdq.targets import ort_optimised_ops
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-qdq-"))
     torch.manual_seed(0)
@@ -49,8 +50,7 @@ def run(out_dir: Path | None = None) -> dict:
                      "files": latencies(files)}
     for name, path in files.items():
         entry = results["files"][name]
-        ops = ops_after_ort_optimisation(str(path), str(out / f"ort_{name}.onnx"))
-        entry["ort_qlinearconv"] = ops.get("QLinearConv", 0)
+        entry["ort_qlinearconv"] = ort_optimised_ops(path)["QLinearConv"]
         for batch in (1, 8):
             entry[f"batch{batch}_speedup"] = speedup(entry, results["files"]["fp32"], batch)
     return results

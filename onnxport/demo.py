@@ -99,26 +99,6 @@ def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, progre
 
 
 # -- measuring ----------------------------------------------------------------------------------------
-def latency_ms(path: Path, x: np.ndarray, repeat: int) -> float:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for _ in range(3):
-        session.run(None, {"input": x})
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        session.run(None, {"input": x})
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _top1(reference: torch.Tensor, path: Path, x: torch.Tensor) -> float:
-    from .runtime import ONNXModel
-
-    return float((ONNXModel(path)(x).argmax(1) == reference.argmax(1)).float().mean())
-
-
 # -- the demo -----------------------------------------------------------------------------------------
 def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: bool = True, seed: int = 0) -> dict[str, Any]:
     """Run every onnxport path on the built-in model and data; write files and ``report.json`` to ``out``.
@@ -140,7 +120,7 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
         strip_qdq,
         verify_qdq,
     )
-    from .runtime import make_session
+    from .runtime import ONNXModel, make_session
 
     started = time.perf_counter()
     out = Path(out)
@@ -168,10 +148,12 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
 
     def record(name: str, path: Path, reference: torch.Tensor, **extra: Any) -> None:
         stats = qdq_stats(path)
+        runner = ONNXModel(path)
         rows[name] = {
             "file": path.name, "kib": path.stat().st_size / 1024, "n_quantize": stats.n_quantize,
-            "n_dequantize": stats.n_dequantize, "top1_agreement": _top1(reference, path, x_test),
-            "latency_ms": latency_ms(path, bench_x, repeat), **extra,
+            "n_dequantize": stats.n_dequantize,
+            "top1_agreement": float((runner(x_test).argmax(1) == reference.argmax(1)).float().mean()),
+            "latency_ms": runner.latency_ms(bench_x, repeat=repeat, warmup=3), **extra,
         }
 
     fp32 = export_onnx(model, sample, out / "fp32.onnx")

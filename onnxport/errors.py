@@ -6,6 +6,8 @@ wrong and what to do instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class OnnxportError(Exception):
     """Base class of every error onnxport raises on purpose."""
@@ -16,6 +18,13 @@ class InvalidArgumentError(OnnxportError, ValueError, TypeError):
 
     It is both a ``ValueError`` and a ``TypeError`` so callers that catch either keep working.
     """
+
+
+def check_choice(value: object, choices: Sequence[object], argument: str) -> object:
+    """Return ``value`` if it is one of ``choices``; else an error listing the valid ones."""
+    if value not in choices:
+        raise InvalidArgumentError(f"{argument} must be one of {', '.join(map(repr, choices))}, not {value!r}.")
+    return value
 
 
 class ExportRefusedError(OnnxportError, RuntimeError):

@@ -13,7 +13,7 @@ import onnx
 
 from . import _checks
 from ._io import check_output_path, needs_external_data, staged_output, write_model
-from .errors import InvalidArgumentError, PerformanceWarning
+from .errors import InvalidArgumentError, PerformanceWarning, check_choice
 from .passes import lower_opset
 from .passes.strip_unused_opsets import strip_unused_opsets
 
@@ -25,12 +25,6 @@ MIN_OPSET = 13
 
 def _max_opset() -> int:
     return onnx.defs.onnx_opset_version()
-
-
-def _validate_choice(value: Any, choices: Sequence[str], argument: str) -> str:
-    if value not in choices:
-        raise InvalidArgumentError(f"{argument} must be one of {', '.join(map(repr, choices))}, not {value!r}.")
-    return value
 
 
 def _validate_opset(opset_version: Any) -> int:
@@ -171,10 +165,10 @@ def export_onnx(
     inputs = as_input_tuple(sample)
     target = check_output_path(output_path)
     opset_version = _validate_opset(opset_version)
-    _validate_choice(quantize_mode, QUANTIZE_MODES, "quantize_mode")
-    _validate_choice(calibration_method, CALIBRATION_METHODS, "calibration_method")
-    _validate_choice(activation_type, QUANT_TYPES, "activation_type")
-    _validate_choice(weight_type, QUANT_TYPES, "weight_type")
+    check_choice(quantize_mode, QUANTIZE_MODES, "quantize_mode")
+    check_choice(calibration_method, CALIBRATION_METHODS, "calibration_method")
+    check_choice(activation_type, QUANT_TYPES, "activation_type")
+    check_choice(weight_type, QUANT_TYPES, "weight_type")
     batches = None
     if quantize and quantize_mode == "static":
         if calibration_data is None:

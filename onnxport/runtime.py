@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,6 +167,18 @@ class ONNXModel:
 
             outputs = [torch.from_numpy(np.asarray(o)).to(self.device) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def latency_ms(self, *args: Any, repeat: int = 30, warmup: int = 5, **kwargs: Any) -> float:
+        """Median wall time of one run on these inputs, in milliseconds, after ``warmup`` runs."""
+        feeds, _ = self._feeds(args, kwargs)
+        for _ in range(warmup):
+            self.session.run(None, feeds)
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            self.session.run(None, feeds)
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
 
     def warmup(self, n: int = 3) -> ONNXModel:
         """Run ``n`` times on zeros (free dimensions set to 1) so later timings are steady."""

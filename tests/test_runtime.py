@@ -86,3 +86,11 @@ def test_compare_reports_which_output_disagrees(two):
 def test_missing_file(tmp_path):
     with pytest.raises(InvalidArgumentError, match="not an ONNX file"):
         ONNXModel(tmp_path / "nope.onnx")
+
+
+def test_latency_is_measured_on_validated_inputs(two):
+    runner = ONNXModel(two[1])
+    ms = runner.latency_ms(torch.randn(2, 3, 8, 8), torch.randn(2, 6), repeat=3, warmup=1)
+    assert isinstance(ms, float) and ms > 0
+    with pytest.raises(InvalidArgumentError, match="Missing input"):
+        runner.latency_ms(torch.randn(2, 3, 8, 8))

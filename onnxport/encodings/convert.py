@@ -15,7 +15,17 @@ from onnx import helper, numpy_helper
 from .._graph import all_names, unique_name, walk_graphs
 from ..errors import InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
-from .formats import DTYPES, Encoding, ScaleMeta, is_integer, load_encodings, parse_encodings, signed_twin, unsigned_twin
+from .formats import (
+    DTYPES,
+    Encoding,
+    ScaleMeta,
+    is_integer,
+    layout_param,
+    load_encodings,
+    parse_encodings,
+    signed_twin,
+    unsigned_twin,
+)
 
 #: metadata key under which a converted model remembers where its unloaded external weights live.
 EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
@@ -166,21 +176,10 @@ def _typed(values: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(values).astype(NUMPY_TYPES[dtype])
 
 
-def _layout(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block: int | None) -> np.ndarray:
-    param = np.asarray(param)
-    if param.ndim == 0:
-        return param
-    if block:
-        return np.repeat(param, block, axis=axis)
-    view = [1] * len(shape)
-    view[axis] = param.size
-    return param.reshape(view)
-
-
 def quantize_array(x: np.ndarray, entry: Encoding, scale: np.ndarray) -> np.ndarray:
     """What ONNX QuantizeLinear computes: round half to even, add the zero-point, saturate."""
-    s = _layout(scale, x.shape, entry.axis, entry.block_size)
-    zp = 0 if entry.zero_point is None else _layout(entry.zero_point, x.shape, entry.axis, entry.block_size)
+    s = layout_param(scale, x.shape, entry.axis, entry.block_size)
+    zp = 0 if entry.zero_point is None else layout_param(entry.zero_point, x.shape, entry.axis, entry.block_size)
     d = DTYPES[entry.dtype]
     scaled = x.astype(np.float64) / s
     if d.qmin is None:
@@ -411,7 +410,7 @@ def encodings_to_onnx_qdq(
     parsed = parse_encodings(load_encodings(encodings))  # the whole file, before the graph
     work, base = _load_model(model)
     _float_gate(work)
-    info, readers, _ = _index(work)
+    info, readers, defined = _index(work)
     missing = sorted(e.name for e in parsed.entries if e.name not in info)
     if missing:
         raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
@@ -428,8 +427,10 @@ def encodings_to_onnx_qdq(
         entries.append(entry)
     if derive_data_movement:
         entries += derive_encodings(work, {e.name: e for e in entries}, info)
-    work = _raise_opset(work, required_opset(entries))
-    info, _, defined = _index(work)  # the upgraded model is a new proto
+    upgraded = _raise_opset(work, required_opset(entries))
+    if upgraded is not work:  # a new proto: index the graphs the rewrite will edit
+        work = upgraded
+        info, _, defined = _index(work)
     rewriter = _Rewriter(work, info, defined, base)
     for entry in entries:
         rewriter.insert(entry, prequantize_constants)

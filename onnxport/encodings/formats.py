@@ -72,15 +72,16 @@ class ScaleMeta:
     block_size: int | None = None
 
     def dequantized(self) -> np.ndarray:
-        scale = _broadcast_param(self.x_scale, self.x.shape, self.axis, self.block_size)
-        zp = 0 if self.x_zero_point is None else _broadcast_param(self.x_zero_point, self.x.shape, self.axis, self.block_size)
+        scale = layout_param(self.x_scale, self.x.shape, self.axis, self.block_size)
+        zp = 0 if self.x_zero_point is None else layout_param(self.x_zero_point, self.x.shape, self.axis, self.block_size)
         return (self.x.astype(np.float64) - zp) * scale
 
 
-def _broadcast_param(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block_size: int | None) -> np.ndarray:
-    """A scale or zero-point laid out to ``shape`` as ONNX applies it (per-tensor, axis or blocks)."""
+def layout_param(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block_size: int | None) -> np.ndarray:
+    """A scale or zero-point laid out to broadcast against a tensor of ``shape`` the way ONNX
+    Q/DQ applies it: per-tensor (a scalar), along ``axis``, or repeated over blocks of ``block_size``."""
     param = np.asarray(param)
-    if param.ndim == 0 or param.size == 1:
+    if param.ndim == 0 or (param.size == 1 and not block_size):
         return param.reshape(())
     if block_size:
         return np.repeat(param, block_size, axis=axis)[tuple(slice(0, d) for d in shape)]

@@ -10,7 +10,7 @@ import onnx
 
 from .._graph import all_constants, producers, tensor_value, walk_graphs
 from ..errors import InvalidArgumentError
-from .formats import DTYPES
+from .formats import DTYPES, layout_param
 
 _MARK = "onnxport: encodes "
 _BY_ONNX_TYPE = {d.onnx_type: name for name, d in DTYPES.items()}
@@ -132,13 +132,9 @@ def strip_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
                 q = numpy_helper.to_array(consts[node.input[0]]).astype(np.float64)
                 scale = numpy_helper.to_array(consts[node.input[1]]).astype(np.float64)
                 zp = numpy_helper.to_array(consts[zp_name]).astype(np.float64) if zp_name else np.zeros(())
-                axis, block = attrs.get("axis", 1), attrs.get("block_size")
-                if block:
-                    scale, zp = np.repeat(scale, block, axis=axis), (np.repeat(zp, block, axis=axis) if zp.ndim else zp)
-                elif scale.ndim == 1:
-                    view = [1] * q.ndim
-                    view[axis] = -1
-                    scale, zp = scale.reshape(view), (zp.reshape(view) if zp.ndim else zp)
+                axis, block = attrs.get("axis", 1) % max(q.ndim, 1), attrs.get("block_size")
+                scale = layout_param(scale, q.shape, axis, block)
+                zp = layout_param(zp, q.shape, axis, block)
                 name = node.input[0]
                 new_inits.append(numpy_helper.from_array(((q - zp) * scale).astype(np.float32), name))
                 replace[node.output[0]] = name

@@ -34,16 +34,13 @@ from .targets import TARGET_DEFAULTS, check_target
 ACTIVATION_DTYPES = ("int8", "uint8")
 
 
-def _preconditions(model: Any, activation_dtype: str, dynamic_batch: bool) -> None:
+def _preconditions(model: Any, spec: Any, activation_dtype: str, dynamic_batch: bool) -> None:
     import torch
-
-    from ..quantize.spec import quant_spec
 
     if activation_dtype not in ACTIVATION_DTYPES:
         raise InvalidArgumentError(
             f"activation_dtype must be 'int8' (zero-point 0) or 'uint8' (zero-point 128), not {activation_dtype!r}."
         )
-    spec = quant_spec(model)
     if spec is not None and not spec.has_qdq_form:
         raise InvalidArgumentError(
             f"export_qdq cannot write this model: it was quantized {spec.describe()} with "
@@ -123,7 +120,7 @@ def export_qdq(
         default_opset = 21  # uint16 Q/DQ exist from opset 21
     activation_dtype = default_dtype if activation_dtype is None else activation_dtype
     opset_version = _validate_opset(default_opset if opset_version is None else opset_version)
-    _preconditions(model, activation_dtype, dynamic_batch)
+    _preconditions(model, spec, activation_dtype, dynamic_batch)
     expected = model_qparams(model)
     n_outputs = _count_outputs(model, inputs)
     in_names = check_names(input_names, len(inputs), "input_names", "input")

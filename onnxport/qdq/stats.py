@@ -81,7 +81,10 @@ def qdq_stats(onnx_path: str | os.PathLike | onnx.ModelProto) -> QDQStats:
 
     Only the small scale and zero-point tensors are read; weights in external data stay on disk.
     """
-    model, base = _load(onnx_path)
+    return _stats(*_load(onnx_path))
+
+
+def _stats(model: onnx.ModelProto, base: Path | None) -> QDQStats:
     counts = Counter()
     conv_add = 0
     consts = all_constants(model)
@@ -193,8 +196,8 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     graph ORT optimised: ``extra['ort_int8']`` says how many Conv/Gemm/MatMul/Add ORT actually
     runs in INT8 — the figure that explains a speed-up or its absence.
     """
-    model, _ = _load(onnx_path)
-    stats = qdq_stats(onnx_path)
+    model, base = _load(onnx_path)
+    stats = _stats(model, base)
     ops: list[ComputeOp] = []
     zp_types: Counter[str] = Counter()
     missing: list[str] = []

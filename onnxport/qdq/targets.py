@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 
 from .._graph import all_constants, consumers, is_default_domain, tensor_value, walk_graphs
-from ..errors import InvalidArgumentError
+from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 
 TARGETS = ("tensorrt", "onnxruntime", "qnn")
@@ -46,8 +46,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     keeps such a ReLU and runs the conv in float). ``'qnn'``: activations uint8 or uint16, weights
     int8 with zero-point 0, uint16 only at opset 21 or later.
     """
-    if target not in TARGETS:
-        raise InvalidArgumentError(f"target must be one of {', '.join(map(repr, TARGETS))}, not {target!r}.")
+    check_choice(target, TARGETS, "target")
     if isinstance(onnx_path, onnx.ModelProto):
         model, base = onnx_path, None
     else:
@@ -133,12 +132,8 @@ def _ort_unfoldable_relus(model: onnx.ModelProto, consts: dict, base: Path | Non
     return problems
 
 
-def ort_int8_counts(onnx_path: str | os.PathLike) -> dict[str, dict[str, int]]:
-    """How many Conv/Gemm/MatMul/Add ONNX Runtime runs in INT8 after its own optimisation.
-
-    Read from the optimised graph ORT writes (default level, CPU provider). Returns
-    ``{op: {"int8": n, "float": m}}``.
-    """
+def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
+    """Operator counts of the graph ONNX Runtime actually runs (CPU provider, default level)."""
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -147,11 +142,19 @@ def ort_int8_counts(onnx_path: str | os.PathLike) -> dict[str, dict[str, int]]:
         options.optimized_model_filepath = str(optimised)
         options.log_severity_level = 3  # saving an NCHWc-optimised graph warns that it is machine-specific
         ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-        graph = onnx.load_model(str(optimised), load_external_data=False).graph
-        counts: dict[str, dict[str, int]] = {op: {"int8": 0, "float": 0} for op in ("Conv", "Gemm", "MatMul", "Add")}
-        for node in graph.node:
-            if node.op_type in _ORT_INT8:
-                counts[_ORT_INT8[node.op_type]]["int8"] += 1
-            elif node.op_type in _ORT_FLOAT:
-                counts[_ORT_FLOAT[node.op_type]]["float"] += 1
+        return Counter(node.op_type for node in onnx.load_model(str(optimised), load_external_data=False).graph.node)
+
+
+def ort_int8_counts(onnx_path: str | os.PathLike) -> dict[str, dict[str, int]]:
+    """How many Conv/Gemm/MatMul/Add ONNX Runtime runs in INT8 after its own optimisation.
+
+    Read from the optimised graph ORT writes (default level, CPU provider). Returns
+    ``{op: {"int8": n, "float": m}}``.
+    """
+    counts: dict[str, dict[str, int]] = {op: {"int8": 0, "float": 0} for op in ("Conv", "Gemm", "MatMul", "Add")}
+    for op, n in ort_optimised_ops(onnx_path).items():
+        if op in _ORT_INT8:
+            counts[_ORT_INT8[op]]["int8"] += n
+        elif op in _ORT_FLOAT:
+            counts[_ORT_FLOAT[op]]["float"] += n
     return counts

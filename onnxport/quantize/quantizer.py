@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
 from .._torch import require_module
-from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning
+from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
 from .annotate import AnnotationContext, annotate_graph
 from .calibration import read_calibration
 from .observers import OBSERVERS, activation_qspec, weight_qspec
@@ -46,12 +46,6 @@ def _finish_pt2e(model: GraphModule, spec: QuantSpec) -> GraphModule:
     model._tracer_extras = {}
     model.eval()
     return attach_spec(model, spec)
-
-
-def _choice(value: Any, choices: Sequence[str], argument: str) -> str:
-    if value not in choices:
-        raise InvalidArgumentError(f"{argument} must be one of {', '.join(map(repr, choices))}, not {value!r}.")
-    return value
 
 
 class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
@@ -157,8 +151,8 @@ class Quantizer:
         target: str | None = None,
         activation_bits: int = 8,
     ) -> None:
-        self.backend = _choice(backend, BACKENDS, "backend")
-        self.target = None if target is None else _choice(target, TARGETS, "target")
+        self.backend = check_choice(backend, BACKENDS, "backend")
+        self.target = None if target is None else check_choice(target, TARGETS, "target")
         if target is not None and backend != "pt2e":
             raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
         if activation_bits not in (8, 16) or (activation_bits == 16 and target != "qnn"):
@@ -174,16 +168,16 @@ class Quantizer:
         if target == "qnn":
             symmetric = False  # QNN reads affine unsigned activations
         if backend == "pt2e":
-            self.method = _choice(method or "static", PT2E_METHODS, "method")
+            self.method = check_choice(method or "static", PT2E_METHODS, "method")
         else:
             if method is None:
                 raise InvalidArgumentError(
                     f"Quantizer(backend='torchao') needs a method: one of {', '.join(map(repr, TORCHAO_METHODS))}."
                 )
-            self.method = _choice(method, TORCHAO_METHODS, "method")
-        self.qscheme = _choice(qscheme, QSCHEMES, "qscheme")
-        self.observer = _choice(observer, OBSERVERS, "observer")
-        self.qdq_placement = _choice(qdq_placement, PLACEMENTS, "qdq_placement")
+            self.method = check_choice(method, TORCHAO_METHODS, "method")
+        self.qscheme = check_choice(qscheme, QSCHEMES, "qscheme")
+        self.observer = check_choice(observer, OBSERVERS, "observer")
+        self.qdq_placement = check_choice(qdq_placement, PLACEMENTS, "qdq_placement")
         if skip_activations is not None and (
             isinstance(skip_activations, str) or not all(isinstance(s, str) for s in skip_activations)
         ):
