@@ -91,7 +91,8 @@ def calibration_batches(
         reference: the sample inputs the batches must match.
         argument: the argument name used in error messages.
         limit: stop after this many samples (counted along the batch dimension), never
-            overshooting: the last batch is trimmed.
+            overshooting: the last batch is trimmed, and no batch past it is read from ``data``
+            (at most ``ceil(limit / batch_size)`` batches are pulled).
     """
     require_batches(data, argument)
     expected = ", ".join(f"Tensor(N, {', '.join(map(str, t.shape[1:]))})" for t in reference)
@@ -105,14 +106,12 @@ def calibration_batches(
                 f"inputs ({expected}); give each batch as the inputs or as an (inputs, target) pair."
             )
         inputs = tuple(t.detach().cpu() for t in inputs)
-        if limit is not None:
-            room = limit - seen
-            if room <= 0:
-                break
-            if inputs[0].shape[0] > room:
-                inputs = tuple(t[:room] for t in inputs)
+        if limit is not None and inputs[0].dim() and inputs[0].shape[0] > limit - seen:
+            inputs = tuple(t[: limit - seen] for t in inputs)
         batches.append(inputs)
         seen += int(inputs[0].shape[0]) if inputs[0].dim() else 1
+        if limit is not None and seen >= limit:
+            break  # before the next batch is pulled: a loader may be costly or stream from a service
     if not batches:
         raise InvalidArgumentError(f"{argument} yielded no batches; give it at least one batch.")
     return batches

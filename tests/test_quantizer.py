@@ -340,6 +340,33 @@ def test_calibration_cap_never_overshoots():
     assert [b[0].shape[0] for b in batches] == [64, 36]
 
 
+class _CountingImages(torch.utils.data.Dataset):
+    """A data set that counts how many samples a loader pulled from it."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        return torch.randn(3, 16, 16), index % 4
+
+
+@pytest.mark.parametrize("cap, batch, reads, kept", [(8, 4, 8, [4, 4]), (6, 4, 8, [4, 2]), (3, 4, 4, [3])])
+def test_capped_calibration_reads_no_batch_past_the_cap(cap, batch, reads, kept):
+    data = _CountingImages(40)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    batches = read_calibration(loader, model, limit=cap, argument="calibration_dl")
+    assert [b[0].shape[0] for b in batches] == kept
+    assert data.reads == reads  # ceil(cap / batch) batches, never one more
+    data.reads = 0
+    Quantizer().quantize(model, loader, max_calibration_samples=cap)
+    assert data.reads == reads
+
+
 class _Untraceable(nn.Module):
     def __init__(self):
         super().__init__()

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from ..errors import InvalidArgumentError
-from .formats import Encoding, ScaleMeta
+from .formats import Encoding, ScaleMeta, effective_scale_problem
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,13 @@ def _fail(entry: Encoding, info: TensorInfo, why: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"Encoding of '{entry.name}' (shape {shape}): {why}")
 
 
-def resolve(entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProto, int]]) -> Encoding:
-    """Settle ``entry``'s axis/block layout against the tensor, or raise naming tensor, shape and axis."""
+def resolve(
+    entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProto, int]], *, allow_subnormal: bool = False
+) -> Encoding:
+    """Settle ``entry``'s axis/block layout against the tensor, or raise naming tensor, shape and axis.
+
+    ``allow_subnormal`` lets a legacy LPBQ scale (only known once its blocks are laid out) be
+    subnormal in float32, as ``parse_encodings`` allows for the others."""
     dims = info.dims
     rank = len(dims) if dims is not None else None
     if entry.pending == "axis":
@@ -65,16 +70,17 @@ def resolve(entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProt
                                  f"operator reading it) has {n} channels. Export the encodings as version 2.0.0, "
                                  f"which states the axis.")
     if entry.pending == "blocks":
-        return _resolve_blocks(entry, info, readers)
+        return _resolve_blocks(entry, info, readers, allow_subnormal)
     if entry.axis is not None and rank is not None:
         axis = entry.axis % rank if -rank <= entry.axis < rank else None
         if axis is None:
             raise _fail(entry, info, f"axis {entry.axis} is outside the tensor's {rank} dimensions.")
         entry = entry.with_(axis=axis)
-        if entry.block_size is None and entry.scale is not None and entry.scale.ndim == 1:
-            if dims[axis] != entry.scale.size:
+        per_channel = entry.scale if entry.scale is not None else entry.meta.x
+        if entry.block_size is None and per_channel.ndim == 1:
+            if dims[axis] != per_channel.size:
                 raise _fail(entry, info, f"axis {axis} has {dims[axis]} channels but the encoding holds "
-                                         f"{entry.scale.size} scales (field 'axis').")
+                                         f"{per_channel.size} scales (field 'axis').")
         if entry.block_size is not None:
             entry = _fit_block_grid(entry, info)
     return entry
@@ -109,7 +115,9 @@ def _fit_block_grid(entry: Encoding, info: TensorInfo) -> Encoding:
     return entry.with_(scale=fit(entry.scale, "y_scale"), zero_point=fit(entry.zero_point, "y_zero_point"))
 
 
-def _resolve_blocks(entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProto, int]]) -> Encoding:
+def _resolve_blocks(
+    entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProto, int]], allow_subnormal: bool
+) -> Encoding:
     dims = info.dims
     found = consumer_axes(entry.name, readers, len(dims) if dims else None) if info.is_constant and dims else None
     if found is None or found[0] == found[1]:
@@ -143,6 +151,9 @@ def _resolve_blocks(entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.
     if "int_scale" in entry.flat:
         ints = layout(entry.flat["int_scale"], "per_block_int_scale")
         meta = ScaleMeta(ints, entry.flat["channel_scale"], None, None, channel, None)
+        problem = effective_scale_problem(meta, allow_subnormal)
+        if problem:
+            raise _fail(entry, info, f"field 'per_block_int_scale': {problem}.")
         if zero_point is not None:
             zero_point = layout(zero_point, "offset")
         return entry.with_(meta=meta, zero_point=zero_point, axis=block_axis, pending=None, flat={})

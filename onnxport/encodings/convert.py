@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
     DTYPES,
+    NUMPY_TYPES,
     Encoding,
     ScaleMeta,
     is_integer,
@@ -24,6 +25,7 @@ from .formats import (
     load_encodings,
     parse_encodings,
     signed_twin,
+    smallest_integer_type,
     unsigned_twin,
 )
 
@@ -31,13 +33,6 @@ from .formats import (
 EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
 FORCE_CHOICES = ("unsigned", "signed", None)
 
-NUMPY_TYPES = {
-    "int2": ml_dtypes.int2, "uint2": ml_dtypes.uint2, "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4,
-    "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "int32": np.int32,
-    "float8e4m3fn": ml_dtypes.float8_e4m3fn, "float8e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-    "float8e5m2": ml_dtypes.float8_e5m2, "float8e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-    "float4e2m1": ml_dtypes.float4_e2m1fn,
-}
 _REJECTED_FLOATS = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
                     onnx.TensorProto.DOUBLE: "float64"}
 
@@ -212,7 +207,7 @@ class _Rewriter:
         if entry.meta is None:
             return self.add_init(graph, f"{entry.name}_scale", np.asarray(entry.scale, dtype=np.float32))
         meta: ScaleMeta = entry.meta
-        x_dtype = meta.x_dtype or _smallest_integer_type(meta.x)
+        x_dtype = meta.x_dtype or _narrowest(meta.x)
         x = self.add_init(graph, f"{entry.name}_scale_q", _typed(meta.x, x_dtype))
         x_scale = self.add_init(graph, f"{entry.name}_meta_scale", np.asarray(meta.x_scale, np.float32).reshape(
             () if meta.x_scale.size == 1 else (-1,) if meta.block_size is None else meta.x_scale.shape))
@@ -296,15 +291,6 @@ class _Rewriter:
             _topological_sort(graph, nodes)
 
 
-def _smallest_integer_type(values: np.ndarray) -> str:
-    low, high = float(np.min(values)), float(np.max(values))
-    for dtype in ("uint2", "uint4", "uint8", "uint16", "int2", "int4", "int8", "int16", "int32"):
-        d = DTYPES[dtype]
-        if d.qmin <= low and high <= d.qmax:
-            return dtype
-    raise InvalidArgumentError("A double-quantized scale holds integers too large for any ONNX type.")
-
-
 def _topological_sort(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
     produced_here = {o for n in nodes for o in n.output if o}
     ready = set()
@@ -340,6 +326,12 @@ def _all_inputs(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def _narrowest(values: np.ndarray) -> str:
+    dtype = smallest_integer_type(values)
+    assert dtype is not None, "parse_encodings checks that a double-quantized scale fits an integer type"
+    return dtype
+
+
 # -- opset ---------------------------------------------------------------------------------------------
 def required_opset(entries: list[Encoding]) -> int:
     """The oldest default-domain opset that can state every encoding."""
@@ -351,7 +343,7 @@ def required_opset(entries: list[Encoding]) -> int:
         if e.block_size or (e.meta is not None and e.meta.block_size):
             need = max(need, 21)
         if e.meta is not None:
-            need = max(need, DTYPES[e.meta.x_dtype or _smallest_integer_type(e.meta.x)].opset)
+            need = max(need, DTYPES[e.meta.x_dtype or _narrowest(e.meta.x)].opset)
     return need
 
 
@@ -377,6 +369,7 @@ def encodings_to_onnx_qdq(
     prequantize_constants: bool = False,
     force_activation_as: str | None = "unsigned",
     derive_data_movement: bool = True,
+    allow_subnormal_scales: bool = False,
 ) -> onnx.ModelProto:
     """Convert an ONNX model and its AIMET encodings into an ONNX Q/DQ model.
 
@@ -394,7 +387,16 @@ def encodings_to_onnx_qdq(
             or ``None`` (as written). Re-signing is lossless: the zero-point moves by 2^(N-1).
             Parameters keep their type.
         derive_data_movement: give data-movement operators (Reshape, Transpose, MaxPool, Concat…)
-            the encoding of the tensor they move, as QNN-style consumers expect.
+            the encoding of the tensor they move, as QNN-style consumers expect. A weight read
+            through a Transpose/Reshape/Squeeze/Unsqueeze/Flatten passes its encoding to the moved
+            tensor too (axis re-laid), so its consumer reads a quantized weight.
+        allow_subnormal_scales: accept scales that are subnormal once stored as float32 (below
+            about 1.18e-38). By default they are refused, like zero and infinite ones: runtimes
+            that flush denormals to zero would divide by 0.
+
+    Raises:
+        InvalidArgumentError: naming the tensor, the field and the value as read, for any value
+            that is invalid in the type it would be written in (before the graph is touched).
 
     Returns:
         A new ``onnx.ModelProto`` at the oldest opset that can state every encoding (never lower
@@ -407,7 +409,8 @@ def encodings_to_onnx_qdq(
         raise InvalidArgumentError(
             f"force_activation_as must be 'unsigned', 'signed' or None, not {force_activation_as!r}."
         )
-    parsed = parse_encodings(load_encodings(encodings))  # the whole file, before the graph
+    # the whole file, before the graph
+    parsed = parse_encodings(load_encodings(encodings), allow_subnormal_scales=allow_subnormal_scales)
     work, base = _load_model(model)
     _float_gate(work)
     info, readers, defined = _index(work)
@@ -420,7 +423,7 @@ def encodings_to_onnx_qdq(
         if tensor.elem_type not in (None, 0, onnx.TensorProto.FLOAT):
             kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
             raise InvalidArgumentError(f"Encoding of '{entry.name}': the tensor is {kind}, and only float tensors can be quantized.")
-        entry = resolve(entry, tensor, readers.get(entry.name, []))
+        entry = resolve(entry, tensor, readers.get(entry.name, []), allow_subnormal=allow_subnormal_scales)
         is_param = tensor.is_constant or entry.section == "param"
         if not is_param:
             entry = _force(entry, force_activation_as)

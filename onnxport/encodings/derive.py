@@ -1,9 +1,11 @@
 """Data-movement derivation: operators that only move values take the encoding of what they move.
 
 QNN-style consumers expect a Reshape, Transpose, MaxPool, Concat… to sit between identical Q/DQ
-pairs; without them a backend may treat the tensor as float. Only per-tensor encodings travel,
-and only onto computed tensors (a constant such as a Clip bound is never given an activation's
-encoding).
+pairs; without them a backend may treat the tensor as float. Between activations only per-tensor
+encodings travel, and only onto computed tensors (a constant such as a Clip bound is never given
+an activation's encoding). A weight moved by a Transpose/Reshape/Squeeze/Unsqueeze/Flatten passes
+its encoding forward to the moved tensor, per-channel axis and (through a Transpose) block grid
+re-laid, so the consumer reads a quantized weight.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import onnx.defs
 
 from .._graph import walk_graphs
 from .axes import TensorInfo
-from .formats import Encoding
+from .formats import Encoding, ScaleMeta
 
 DATA_MOVEMENT = {
     "Col2Im", "Compress", "DepthToSpace", "Dropout", "Expand", "Flatten", "Gather", "GatherElements",
@@ -59,6 +61,58 @@ def _same(a: Encoding, b: Encoding) -> bool:
     return a.dtype == b.dtype and float(a.scale) == float(b.scale) and za == zb
 
 
+#: Operators through which a weight keeps its values: the moved weight takes the weight's encoding,
+#: so its consumer (a MatMul reading ``Transpose(W)``) reads a quantized weight.
+PARAMETER_MOVERS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _moved_axis(node: onnx.NodeProto, axis: int, before: tuple[int, ...], after: tuple[int, ...] | None) -> int | None:
+    """Where axis ``axis`` of the input lands in the output, or None when it does not survive whole."""
+    if node.op_type == "Transpose":
+        return _perm(node, len(before)).index(axis)
+    if after is None:
+        return None
+    prefix, size = int(np.prod(before[:axis])), before[axis]
+    found = [b for b in range(len(after)) if after[b] == size and int(np.prod(after[:b])) == prefix]
+    return found[0] if len(found) == 1 else None
+
+
+def _moved_parameter(node: onnx.NodeProto, e: Encoding, before: tuple[int, ...] | None,
+                     after: tuple[int, ...] | None, name: str) -> Encoding | None:
+    """The encoding of a weight moved by ``node``, re-laid for the moved tensor, or None."""
+    if e.dtype == "int32":
+        return None  # dequantize-only: it has no Q/DQ form on a computed tensor
+    moved = e.with_(name=name, section="param")
+    if e.axis is None:
+        return moved
+    if before is None:
+        return None
+    axis = _moved_axis(node, e.axis, before, after)
+    if axis is None:
+        return None
+    if e.block_size is None:  # per-channel: one scale (or meta scale) per channel, whatever the layout
+        return moved.with_(axis=axis)
+    if node.op_type != "Transpose":
+        return None  # a block grid survives only a permutation
+    perm = _perm(node, len(before))
+
+    def grid(values: np.ndarray | None) -> np.ndarray | None:
+        return None if values is None or np.ndim(values) == 0 else np.transpose(values, perm)
+
+    if e.meta is None:
+        return moved.with_(axis=axis, scale=grid(e.scale), zero_point=grid(e.zero_point))
+    meta = e.meta
+    if meta.block_size is not None:
+        return None
+    new_meta = ScaleMeta(grid(meta.x), meta.x_scale, meta.x_zero_point, meta.x_dtype,
+                          None if meta.axis is None else perm.index(meta.axis), None)
+    return moved.with_(axis=axis, meta=new_meta, zero_point=grid(e.zero_point))
+
+
+def _perm(node: onnx.NodeProto, rank: int) -> list[int]:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None) or list(range(rank))[::-1]
+
+
 def derive_encodings(model: onnx.ModelProto, known: dict[str, Encoding], info: dict[str, TensorInfo]) -> list[Encoding]:
     """New encodings for data-movement tensors, from their neighbours (two sweeps, both ways)."""
     opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
@@ -80,6 +134,19 @@ def derive_encodings(model: onnx.ModelProto, known: dict[str, Encoding], info: d
         def give(name: str, source: Encoding) -> None:
             new = source.with_(name=name, section="activation")
             encodings[name] = derived[name] = new
+
+        moved_weights: set[str] = set()
+        for node in movers:  # graph order, so chains (Transpose then Reshape) follow
+            source = node.input[0] if node.input else ""
+            tensor = info.get(source)
+            weight = tensor is not None and (tensor.is_constant or source in moved_weights)
+            if (node.op_type in PARAMETER_MOVERS and weight and source in encodings
+                    and computed(node.output[0]) and node.output[0] not in encodings):
+                after = info[node.output[0]].dims
+                derived_entry = _moved_parameter(node, encodings[source], tensor.dims, after, node.output[0])
+                if derived_entry is not None:
+                    encodings[node.output[0]] = derived[node.output[0]] = derived_entry
+                    moved_weights.add(node.output[0])
 
         for order in (movers, list(reversed(movers))):
             for node in order:

@@ -8,10 +8,12 @@ legacy per-channel axis, a legacy block layout) is left marked on the entry for 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -43,6 +45,14 @@ DTYPES: dict[str, DType] = {
         DType("float8e5m2", _T.FLOAT8E5M2, None, None, 19), DType("float8e5m2fnuz", _T.FLOAT8E5M2FNUZ, None, None, 19),
         DType("float4e2m1", _T.FLOAT4E2M1, None, None, 23),
     ]
+}
+#: The NumPy element type each ONNX Q/DQ type is stored as.
+NUMPY_TYPES = {
+    "int2": ml_dtypes.int2, "uint2": ml_dtypes.uint2, "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4,
+    "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "int32": np.int32,
+    "float8e4m3fn": ml_dtypes.float8_e4m3fn, "float8e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8e5m2": ml_dtypes.float8_e5m2, "float8e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "float4e2m1": ml_dtypes.float4_e2m1fn,
 }
 #: Plain casts, not quantization: ONNX Q/DQ has no form for them, so they are omitted with a warning.
 PLAIN_FLOATS = ("float16", "bfloat16")
@@ -143,41 +153,124 @@ def load_encodings(encodings: dict | str | os.PathLike) -> dict:
     raise InvalidArgumentError(f"encodings must be a dict or a path to an encodings file, not {type(encodings).__name__}.")
 
 
+_FLOAT32 = np.finfo(np.float32)
+#: Integers past this are not exact in float64, and no ONNX integer type holds them anyway.
+_INTEGER_LIMIT = 2**53
+
+
+def _json_numbers(value: Any) -> str | None:
+    """Why ``value`` is not a number or a (nested) list of numbers, or None when it is one."""
+    if isinstance(value, bool):
+        return f"holds a non-numeric value, a boolean ({json.dumps(value)}), where a number is expected"
+    if isinstance(value, str):
+        return (f"holds a non-numeric value, a string ({json.dumps(value)[:40]}), where a number is expected; "
+                f"write the number itself, unquoted")
+    if isinstance(value, (int, float)):
+        return None
+    if isinstance(value, (list, tuple)):
+        for inner in value:
+            why = _json_numbers(inner)
+            if why:
+                return why
+        return None
+    kind = "null" if value is None else "an object" if isinstance(value, dict) else type(value).__name__
+    return f"holds a non-numeric value, {kind}, where a number is expected"
+
+
+def _as_read(array: np.ndarray, mask: np.ndarray) -> str:
+    """The first offending value, and where it sits when the field holds several."""
+    index = tuple(int(i) for i in np.argwhere(mask)[0]) if array.ndim else ()
+    value = array[index] if array.ndim else array[()]
+    where = f" at index {index if len(index) > 1 else index[0]}" if array.size > 1 else ""
+    return f"{float(value)!r}{where}"
+
+
+_SCALE_RULE = "a scale must be a normal positive float32 (zero, negative, non-finite and, by default, subnormal ones are refused)"
+
+
+def scale_problem(values: np.ndarray, allow_subnormal: bool = False) -> str | None:
+    """Why ``values`` (a scale as read, in float64) cannot be written as a float32 Q/DQ scale."""
+    values = np.asarray(values, np.float64)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        stored = values.astype(np.float32)
+    checks = [
+        (~np.isfinite(values), "is not finite"),
+        (values <= 0, "is zero or negative"),
+        (~np.isfinite(stored), f"overflows float32 (largest {float(_FLOAT32.max):.4g}), where the file stores scales"),
+        (stored == 0, "becomes 0 in float32, where the file stores scales"),
+    ]
+    if not allow_subnormal:
+        subnormal = (f"is subnormal in float32 (below {float(_FLOAT32.tiny):.4g}); runtimes may flush it to 0 "
+                     f"(pass allow_subnormal_scales=True to keep it)")
+        checks.append((np.abs(stored) < _FLOAT32.tiny, subnormal))
+    for mask, why in checks:
+        if np.any(mask):
+            return f"value {_as_read(values, mask)} {why}; {_SCALE_RULE}"
+    return None
+
+
 class _Field:
     """Validation helpers that name the tensor and the field in every message."""
 
-    def __init__(self, name: str, version: str) -> None:
+    def __init__(self, name: str, version: str, allow_subnormal: bool = False, prefix: str = "") -> None:
         self.name = name
         self.version = version
+        self.allow_subnormal = allow_subnormal
+        self.prefix = prefix
+
+    def nested(self, key: str) -> _Field:
+        """The same checks for the fields of an object held in ``key`` (named ``key.field``)."""
+        return _Field(self.name, self.version, self.allow_subnormal, f"{self.prefix}{key}.")
 
     def fail(self, field_name: str, why: str) -> InvalidArgumentError:
-        return InvalidArgumentError(f"Encoding of '{self.name}' (version {self.version}), field '{field_name}': {why}")
+        return InvalidArgumentError(
+            f"Encoding of '{self.name}' (version {self.version}), field '{self.prefix}{field_name}': {why}"
+        )
 
-    def numbers(self, entry: dict, key: str, *, positive: bool = False) -> np.ndarray:
+    def numbers(self, entry: dict, key: str, *, positive: bool = False, scalar: bool = False) -> np.ndarray:
+        """A numeric field as float64, checked for JSON type and shape; ``positive`` marks a
+        scale, which is checked as the float32 it will be written as."""
         value = entry[key]
+        why = _json_numbers(value)
+        if why:
+            raise self.fail(key, f"{why}.")
         try:
             array = np.asarray(value, dtype=np.float64)
         except (TypeError, ValueError):
-            raise self.fail(key, f"holds a non-numeric value ({json.dumps(value)[:60]}).") from None
-        if array.dtype == object or _has_bool(value):
-            raise self.fail(key, "holds a non-numeric value.")
+            raise self.fail(key, "is a ragged list; nested lists must form a rectangular array.") from None
         if array.size == 0:
             raise self.fail(key, "is empty.")
-        if positive and (not np.all(np.isfinite(array)) or np.any(array <= 0)):
-            raise self.fail(key, "holds a scale that is zero, negative or not finite; every scale must be a finite positive number.")
+        if scalar and array.size != 1:
+            raise self.fail(key, f"must be one number, not {array.size} values.")
+        if positive:
+            problem = scale_problem(array, self.allow_subnormal)
+            if problem:
+                raise self.fail(key, f"{problem}.")
         return array
 
-    def integers(self, entry: dict, key: str) -> np.ndarray:
-        array = self.numbers(entry, key)
-        if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
-            raise self.fail(key, "holds a value that is not an integer.")
+    def integers(self, entry: dict, key: str, *, scalar: bool = False) -> np.ndarray:
+        array = self.numbers(entry, key, scalar=scalar)
+        for mask, why in ((~np.isfinite(array), "is not finite"), (array != np.round(array), "is not an integer"),
+                          (np.abs(array) > _INTEGER_LIMIT, "is outside every ONNX integer type")):
+            if np.any(mask):
+                raise self.fail(key, f"value {_as_read(array, mask)} {why}.")
         return array.astype(np.int64)
 
     def int_field(self, entry: dict, key: str, low: int = 1, high: int = 64) -> int:
         value = entry[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or not low <= value <= high:
+        good = (
+            not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and value == int(value) and low <= value <= high
+        )
+        if not good:
             raise self.fail(key, f"must be an integer from {low} to {high}, not {value!r}.")
         return int(value)
+
+    def text(self, entry: dict, key: str) -> str:
+        value = entry[key]
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be a string, not {json.dumps(value, default=repr)[:40]}.")
+        return value
 
     def boolean(self, entry: dict, key: str) -> bool:
         value = entry[key]
@@ -193,12 +286,25 @@ class _Field:
             raise self.fail(missing[0], f"is missing (required by version {self.version}: {', '.join(keys)}).")
 
 
-def _has_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_has_bool(v) for v in value)
-    return False
+def effective_scale_problem(meta: ScaleMeta, allow_subnormal: bool = False) -> str | None:
+    """Why a double-quantized scale, computed in float32 as DequantizeLinear computes it, is not a
+    usable scale (each factor may be valid while their product is 0, negative or overflows)."""
+    x = meta.x.astype(np.float32)
+    x_scale = meta.x_scale.astype(np.float32)
+    zp = 0 if meta.x_zero_point is None else layout_param(meta.x_zero_point, x.shape, meta.axis, meta.block_size)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        product = (x - np.asarray(zp, np.float32)) * layout_param(x_scale, x.shape, meta.axis, meta.block_size)
+        product = product.astype(np.float32)
+    checks = [(~np.isfinite(product), "overflows float32"), (product <= 0, "is zero or negative")]
+    if not allow_subnormal:
+        checks.append((product < _FLOAT32.tiny, "is subnormal in float32 (pass allow_subnormal_scales=True to keep it)"))
+    for mask, why in checks:
+        if np.any(mask):
+            index = tuple(int(i) for i in np.argwhere(np.broadcast_to(mask, product.shape))[0])
+            at = index if product.ndim else ()
+            return (f"the scale it defines, (x - x_zero_point) * x_scale = {float(product[at])!r} at index {at}, "
+                    f"{why}; {_SCALE_RULE}")
+    return None
 
 
 def _check_range(f: _Field, key: str, zp: np.ndarray, dtype: str) -> None:
@@ -223,13 +329,13 @@ def _legacy_zero_points(f: _Field, offsets: np.ndarray, bits: int, symmetric: bo
     return dtype, zp
 
 
-def _parse_061(name: str, value: Any, section: str) -> Encoding | str:
-    f = _Field(name, "0.6.1")
+def _parse_061(name: str, value: Any, section: str, allow_subnormal: bool) -> Encoding | str:
+    f = _Field(name, "0.6.1", allow_subnormal)
     if not isinstance(value, list) or not value or not all(isinstance(e, dict) for e in value):
         raise f.fail("(entry)", "must be a non-empty list of encoding objects.")
     first = value[0]
     f.require(first, ("bitwidth", "dtype"))
-    kind = str(first["dtype"]).lower()
+    kind = f.text(first, "dtype").lower()
     bits = f.int_field(first, "bitwidth", 1, 32)
     if kind == "float":
         if bits == 16:
@@ -242,27 +348,28 @@ def _parse_061(name: str, value: Any, section: str) -> Encoding | str:
     symmetric = {f.boolean(e, "is_symmetric") for e in value}
     if len(symmetric) != 1:
         raise f.fail("is_symmetric", "differs between the channels of one tensor.")
-    scale = np.array([f.numbers(e, "scale", positive=True).item() for e in value])
-    offsets = np.array([f.integers(e, "offset").item() for e in value])
+    scale = np.array([f.numbers(e, "scale", positive=True, scalar=True).item() for e in value])
+    offsets = np.array([f.integers(e, "offset", scalar=True).item() for e in value])
     dtype, zp = _legacy_zero_points(f, offsets, bits, symmetric.pop())
     if len(value) == 1:
         return Encoding(name, dtype, scale.reshape(()), zp.reshape(()), section=section)
     return Encoding(name, dtype, scale, zp, section=section, pending="axis")
 
 
-def _parse_100(entry: dict, section: str) -> Encoding | str:
+def _parse_100(entry: dict, section: str, allow_subnormal: bool) -> Encoding | str:
     name = entry["name"]
-    f = _Field(name, "1.0.0")
+    f = _Field(name, "1.0.0", allow_subnormal)
     f.require(entry, ("bw", "dtype", "enc_type"))
     enc_type = entry["enc_type"]
     if enc_type not in ENC_TYPES:
         raise f.fail("enc_type", f"must be one of {', '.join(ENC_TYPES)}, not {enc_type!r}.")
     bits = f.int_field(entry, "bw", 1, 32)
-    if str(entry["dtype"]).upper() == "FLOAT":
+    kind = f.text(entry, "dtype").upper()
+    if kind == "FLOAT":
         if bits == 16:
             return "float16"
         raise f.fail("dtype", f"a {bits}-bit FLOAT encoding has no ONNX Q/DQ form in version 1.0.0.")
-    if str(entry["dtype"]).upper() != "INT":
+    if kind != "INT":
         raise f.fail("dtype", f"must be 'INT' or 'FLOAT', not {entry['dtype']!r}.")
     f.require(entry, ("is_sym", "scale", "offset"))
     symmetric = f.boolean(entry, "is_sym")
@@ -275,6 +382,7 @@ def _parse_100(entry: dict, section: str) -> Encoding | str:
         compressed = f.int_field(entry, "compressed_bw", 1, 32)
         block = f.int_field(entry, "block_size", 1, 1 << 30)
         ints = f.integers(entry, "per_block_int_scale").reshape(-1)
+        _fits_an_integer_type(f, "per_block_int_scale", ints)
         if ints.size % scale.size:
             raise f.fail("per_block_int_scale", f"holds {ints.size} values, not a multiple of the {scale.size} channel scales.")
         # The per-channel offsets describe the decompressed grid; the stored weight is the
@@ -300,7 +408,7 @@ def _parse_100(entry: dict, section: str) -> Encoding | str:
 
 # -- 2.x ---------------------------------------------------------------------------------------------
 def _dtype_2x(f: _Field, entry: dict) -> str:
-    dtype = entry["output_dtype"]
+    dtype = f.text(entry, "output_dtype")
     if dtype in PLAIN_FLOATS:
         return dtype
     if dtype not in DTYPES:
@@ -314,26 +422,84 @@ def _optional_int(f: _Field, entry: dict, key: str, low: int, high: int) -> int 
     return f.int_field(entry, key, low, high)
 
 
-def _parse_meta(f: _Field, meta: dict) -> ScaleMeta:
-    f.require(meta, ("x", "x_scale"))
-    x = f.numbers(meta, "x")
-    x_scale = f.numbers(meta, "x_scale", positive=True)
-    x_zp = f.integers(meta, "x_zero_point") if "x_zero_point" in meta else None
-    x_dtype = meta.get("input_dtype")
+def _fits_an_integer_type(f: _Field, key: str, ints: np.ndarray) -> None:
+    if smallest_integer_type(ints) is None:
+        raise f.fail(key, f"holds integers from {int(ints.min())} to {int(ints.max())}, which no ONNX integer type holds.")
+
+
+def smallest_integer_type(values: np.ndarray) -> str | None:
+    """The narrowest ONNX integer type (unsigned first) holding ``values``, or None."""
+    low, high = float(np.min(values)), float(np.max(values))
+    for dtype in ("uint2", "uint4", "uint8", "uint16", "int2", "int4", "int8", "int16", "int32"):
+        d = DTYPES[dtype]
+        if d.qmin <= low and high <= d.qmax:
+            return dtype
+    return None
+
+
+def _meta_values(f: _Field, meta: dict) -> tuple[np.ndarray, str | None]:
+    """``x`` checked against the type it is stored in (its ``input_dtype``, or the narrowest fit)."""
+    x_dtype = f.text(meta, "input_dtype") if meta.get("input_dtype") is not None else None
     if x_dtype is not None and x_dtype not in DTYPES:
-        raise f.fail("y_scale.input_dtype", f"must be one of {', '.join(DTYPES)}, not {x_dtype!r}.")
-    if x_dtype is None and np.any(x != np.round(x)):
-        raise f.fail("y_scale.input_dtype", "is required when 'x' holds non-integer values.")
-    axis = _optional_int(f, meta, "axis", -8, 8)
-    block = _optional_int(f, meta, "block_size", 1, 1 << 30)
-    if x_scale.size > 1 and axis is None:
-        raise f.fail("y_scale.axis", "is required when 'x_scale' holds several values.")
-    return ScaleMeta(x, x_scale, x_zp, x_dtype, axis, block)
+        raise f.fail("input_dtype", f"must be one of {', '.join(DTYPES)}, not {x_dtype!r}.")
+    if x_dtype is None or is_integer(x_dtype):
+        x = f.integers(meta, "x").astype(np.float64)
+        stored = x_dtype or smallest_integer_type(x)
+        if stored is None:
+            raise f.fail("x", f"holds integers from {int(x.min())} to {int(x.max())}, which no ONNX integer type holds.")
+        d = DTYPES[stored]
+        outside = (x < d.qmin) | (x > d.qmax)
+        if np.any(outside):
+            raise f.fail("x", f"value {_as_read(x, outside)} does not fit its input_dtype {stored} [{d.qmin}, {d.qmax}].")
+        return x, x_dtype
+    x = f.numbers(meta, "x")
+    with np.errstate(over="ignore", invalid="ignore"):
+        inexact = x.astype(NUMPY_TYPES[x_dtype]).astype(np.float64) != x
+    if np.any(inexact):
+        raise f.fail("x", f"value {_as_read(x, inexact)} is not exactly representable in its input_dtype {x_dtype}.")
+    return x, x_dtype
 
 
-def _parse_2x(entry: dict, version: str) -> Encoding | str:
+def _parse_meta(f: _Field, meta: dict) -> ScaleMeta:
+    inner = f.nested("y_scale")
+    inner.require(meta, ("x", "x_scale"))
+    x, x_dtype = _meta_values(inner, meta)
+    x_scale = inner.numbers(meta, "x_scale", positive=True)
+    axis = _optional_int(inner, meta, "axis", -8, 8)
+    block = _optional_int(inner, meta, "block_size", 1, 1 << 30)
+    if axis is not None:
+        if not -max(x.ndim, 1) <= axis < max(x.ndim, 1):
+            raise inner.fail("axis", f"{axis} is outside the {x.ndim} dimension(s) of 'x'.")
+        axis %= max(x.ndim, 1)
+    if x_scale.size > 1:
+        if axis is None:
+            raise inner.fail("axis", "is required when 'x_scale' holds several values.")
+        if block is None and (x.ndim == 0 or x.shape[axis] != x_scale.size):
+            raise inner.fail("x_scale", f"holds {x_scale.size} values, but 'x' has {x.shape[axis] if x.ndim else 1} along axis {axis}.")
+        if block is not None:
+            want = tuple(-(-d // block) if i == axis else d for i, d in enumerate(x.shape))
+            if x_scale.shape != want:
+                raise inner.fail("x_scale", f"has shape {x_scale.shape}; blocks of {block} along axis {axis} of 'x' need {want}.")
+    elif block is not None:
+        block = None  # one scale for every block is one per-tensor scale
+    x_zp = None
+    if meta.get("x_zero_point") is not None:
+        x_zp = inner.integers(meta, "x_zero_point")
+        if x_zp.size != x_scale.size:
+            raise inner.fail("x_zero_point", f"has {x_zp.size} values for {x_scale.size} scales in 'x_scale'.")
+        x_zp = x_zp.reshape(x_scale.shape if x_scale.size > 1 else ())
+        stored = x_dtype or smallest_integer_type(x)
+        _check_range(inner, "x_zero_point", x_zp, stored)
+    result = ScaleMeta(x, x_scale, x_zp, x_dtype, axis, block)
+    problem = effective_scale_problem(result, f.allow_subnormal)
+    if problem:
+        raise f.fail("y_scale", f"{problem}.")
+    return result
+
+
+def _parse_2x(entry: dict, version: str, allow_subnormal: bool) -> Encoding | str:
     name = entry["name"]
-    f = _Field(name, version)
+    f = _Field(name, version, allow_subnormal)
     f.require(entry, ("output_dtype",))
     for foreign in ("bw", "bitwidth", "enc_type", "offset"):
         if foreign in entry:
@@ -354,14 +520,32 @@ def _parse_2x(entry: dict, version: str) -> Encoding | str:
         channel = f.numbers(entry, "per_channel_float_scale", positive=True)
         if ints.ndim != channel.ndim:
             raise f.fail("per_channel_float_scale", f"has rank {channel.ndim}, but per_block_int_scale has rank {ints.ndim}.")
+        _fits_an_integer_type(f, "per_block_int_scale", ints)
         channel_axes = [i for i, d in enumerate(channel.shape) if d != 1]
+        if len(channel_axes) > 1 or any(ints.shape[i] != channel.shape[i] for i in channel_axes):
+            raise f.fail("per_channel_float_scale", f"has shape {channel.shape}; it must match per_block_int_scale "
+                                                    f"{ints.shape} along one channel axis and be 1 elsewhere.")
         meta = ScaleMeta(ints, channel.reshape(-1), None, None, channel_axes[0] if channel_axes else None, None)
+        problem = effective_scale_problem(meta, allow_subnormal)
+        if problem:
+            raise f.fail("per_block_int_scale", f"{problem}.")
         scale = None
     elif isinstance(entry.get("y_scale"), dict):
         if version != "2.1.0":
             raise f.fail("y_scale", "is a meta encoding (a dict), which needs version 2.1.0.")
         meta = _parse_meta(f, entry["y_scale"])
         scale = None
+        if block is None:
+            # The scale it defines is laid out like a plain y_scale: one value, or one per channel.
+            if meta.x.size == 1:
+                meta = ScaleMeta(meta.x.reshape(()), meta.x_scale.reshape(()),
+                                 None if meta.x_zero_point is None else meta.x_zero_point.reshape(()), meta.x_dtype)
+                axis = None
+            elif meta.x.ndim != 1:
+                raise f.fail("y_scale.x", f"has shape {meta.x.shape}; without a block_size the scale is one value or "
+                                          f"one per channel (a 1-D list along 'axis').")
+            elif axis is None:
+                raise f.fail("axis", f"is required: the meta scale holds {meta.x.size} values (one per channel).")
     else:
         f.require(entry, ("y_scale",))
         scale = f.numbers(entry, "y_scale", positive=True)
@@ -398,14 +582,20 @@ class ParsedEncodings:
     omitted: list[str]  # float16/bfloat16 plain casts
 
 
-def parse_encodings(data: dict) -> ParsedEncodings:
-    """Validate a whole encodings file and normalise every entry (no graph needed)."""
+def parse_encodings(data: dict, *, allow_subnormal_scales: bool = False) -> ParsedEncodings:
+    """Validate a whole encodings file and normalise every entry (no graph needed).
+
+    Every number is checked in the type it will be written in: scales as float32 (finite,
+    positive, and normal unless ``allow_subnormal_scales``), zero-points in their integer type.
+    """
     version = data.get("version")
     if version not in VERSIONS:
         raise InvalidArgumentError(
             f"Unsupported encodings version {version!r}; onnxport reads {', '.join(VERSIONS)} "
             f"(the file's 'version' field)."
         )
+    if not isinstance(allow_subnormal_scales, bool):
+        raise InvalidArgumentError(f"allow_subnormal_scales must be True or False, not {allow_subnormal_scales!r}.")
     entries: list[Encoding] = []
     omitted: list[str] = []
 
@@ -427,7 +617,7 @@ def parse_encodings(data: dict) -> ParsedEncodings:
             raise InvalidArgumentError(f"Tensor(s) {both} appear in both 'param_encodings' and 'activation_encodings'; each tensor is one or the other.")
         for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
             for name, value in sections[key].items():
-                keep(_parse_061(name, value, kind), name)
+                keep(_parse_061(name, value, kind, allow_subnormal_scales), name)
     elif version == "1.0.0":
         seen: dict[str, str] = {}
         for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
@@ -440,7 +630,7 @@ def parse_encodings(data: dict) -> ParsedEncodings:
                     where = "twice in" if seen[name] == key else "in both 'param_encodings' and 'activation_encodings' of"
                     raise InvalidArgumentError(f"Tensor '{name}' appears {where} the file; each tensor takes one encoding.")
                 seen[name] = key
-                keep(_parse_100(entry, kind), name)
+                keep(_parse_100(entry, kind, allow_subnormal_scales), name)
     else:
         section = data.get("encodings")
         if not isinstance(section, list):
@@ -451,7 +641,7 @@ def parse_encodings(data: dict) -> ParsedEncodings:
             if name in seen_names:
                 raise InvalidArgumentError(f"Tensor '{name}' appears twice in 'encodings'; each tensor takes one encoding.")
             seen_names.add(name)
-            keep(_parse_2x(entry, version), name)
+            keep(_parse_2x(entry, version, allow_subnormal_scales), name)
     return ParsedEncodings(version, entries, omitted)
 
 
