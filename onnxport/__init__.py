@@ -22,6 +22,7 @@ _EXPORTS = {
     "OnnxportError": ".errors",
     "InvalidArgumentError": ".errors",
     "ExportRefusedError": ".errors",
+    "WriteError": ".errors",
     "PerformanceWarning": ".errors",
     "OnnxportWarning": ".errors",
     "Quantizer": ".quantize",
@@ -46,7 +47,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._io import save_model
-    from .errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning
+    from .errors import (ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning,
+                         WriteError)
     from .qdq.export import export_qdq
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.targets import check_target

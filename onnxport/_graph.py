@@ -80,9 +80,11 @@ def constant_dims(name: str, graph: onnx.GraphProto) -> list[int] | None:
 
 
 def tensor_value(tensor: onnx.TensorProto, base_dir: str | Path | None = None) -> np.ndarray:
-    """A constant's values, reading external data from ``base_dir`` when it lives there."""
+    """A constant's values, reading external data from ``base_dir`` when it lives there (or from
+    the folder its own ``basepath`` entry names: a tensor a conversion spilled to scratch)."""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor, str(base_dir or ""))
+        own = next((e.value for e in tensor.external_data if e.key == "basepath"), None)
+        return numpy_helper.to_array(tensor, str(own or base_dir or ""))
     return numpy_helper.to_array(tensor)
 
 

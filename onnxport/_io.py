@@ -7,6 +7,7 @@ failure the staging folder is removed with everything in it, and the target is l
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -14,9 +15,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, WriteError
 
 #: Protobuf cannot serialise a message of 2 GiB or more; bigger models keep their weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -83,20 +86,110 @@ def has_unloaded_external_data(model: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in _all_initializers(model))
 
 
+#: external_data key naming the folder of one tensor's data, overriding the model's folder.
+BASEPATH_KEY = "basepath"
+_scratch_root: Path | None = None
+
+
+def _scratch_folder() -> Path:
+    """One private folder under the temp directory for this process, removed when it exits."""
+    global _scratch_root
+    if _scratch_root is None or not _scratch_root.is_dir():
+        _scratch_root = Path(tempfile.mkdtemp(prefix="onnxport-scratch-"))
+        atexit.register(shutil.rmtree, _scratch_root, True)
+    return _scratch_root
+
+
+class ScratchTensors:
+    """Tensors a conversion makes that must not stay in memory (a 7B model's prequantized weights).
+
+    Each is appended to one scratch file under the temp directory (``TMPDIR``) and given back as
+    an external-data ``TensorProto`` whose ``basepath`` names that folder, so :func:`save_model`
+    streams it into the final file like any other unloaded weight. The scratch folder is removed
+    when the process exits.
+    """
+
+    def __init__(self) -> None:
+        handle, name = tempfile.mkstemp(dir=_scratch_folder(), suffix=".data")
+        self.path = Path(name)
+        self._file = os.fdopen(handle, "wb")
+        self._offset = 0
+
+    def put(self, name: str, values: np.ndarray) -> onnx.TensorProto:
+        tensor = numpy_helper.from_array(values, name)  # packs 4- and 2-bit types as ONNX stores them
+        raw = tensor.raw_data
+        self._file.write(raw)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(self._offset)), ("length", str(len(raw))),
+                           (BASEPATH_KEY, str(self.path.parent))):
+            tensor.external_data.add(key=key, value=value)
+        self._offset += len(raw)
+        return tensor
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def external_source(tensor: onnx.TensorProto, base: str | os.PathLike | None) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes; length -1 when the file says none."""
+    info = _external_info(tensor)
+    folder = info.get(BASEPATH_KEY) or base
+    if folder is None:
+        raise InvalidArgumentError(
+            f"Tensor '{tensor.name}' refers to external data whose folder is unknown; load the model from its "
+            f"path (or with onnx.load(path), weights included)."
+        )
+    return Path(folder) / info.get("location", ""), int(info.get("offset", 0)), int(info.get("length", -1))
+
+
+def check_external_data(model: onnx.ModelProto, base: str | os.PathLike | None) -> None:
+    """Every external tensor's bytes exist where the model says: a named error before any work."""
+    for tensor in _all_initializers(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        file, offset, length = external_source(tensor, base)
+        if not file.is_file():
+            raise InvalidArgumentError(
+                f"Tensor '{tensor.name}' lives in external data file '{file}', which does not exist; keep the "
+                f"model's .data file beside it."
+            )
+        size = file.stat().st_size
+        need = offset + max(length, 0)
+        if need > size or (length < 0 and offset >= size > 0):
+            raise InvalidArgumentError(
+                f"Tensor '{tensor.name}' lives at bytes {offset}..{need} of '{file}', which holds only {size} bytes: "
+                f"the external data is truncated or belongs to another model."
+            )
+
+
+def _streamed_bytes(model: onnx.ModelProto, base: str | None) -> int:
+    total = 0
+    for tensor in _all_initializers(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            file, offset, length = external_source(tensor, base)
+            total += length if length >= 0 else max(file.stat().st_size - offset, 0)
+    return total
+
+
 def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
     """Write a model whose weights are partly still on disk, copying them tensor by tensor.
 
-    The source folder comes from the model's ``onnxport.external_data_dir`` metadata (set by
-    ``encodings_to_onnx_qdq`` when it loaded a model without its weights). Memory stays at one
-    chunk of weights, whatever the model's size.
+    A tensor's source folder is its own ``basepath`` (scratch tensors) or the model's
+    ``onnxport.external_data_dir`` metadata (set by ``encodings_to_onnx_qdq`` when it loaded a
+    model without its weights). Memory stays at one chunk of weights, whatever the model's size;
+    a progress bar counts the bytes.
     """
+    from tqdm.auto import tqdm
+
     props = {p.key: p.value for p in model.metadata_props}
     base = props.get(_EXTERNAL_BASE_KEY)
-    if base is None:
-        raise InvalidArgumentError(
-            "The model refers to external weights that were never loaded and does not say where they live; "
-            "load it with onnx.load(path) (weights included) before saving it elsewhere."
-        )
+    check_external_data(model, base)
+    total = _streamed_bytes(model, base)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     keep = [p for p in copy.metadata_props if p.key != _EXTERNAL_BASE_KEY]
@@ -104,13 +197,13 @@ def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
     copy.metadata_props.extend(keep)
     data_name = path.name + ".data"
     offset = 0
-    with open(path.parent / data_name, "wb") as out:
+    bar = tqdm(total=total, desc="writing weights", unit="B", unit_scale=True, leave=False, disable=None)
+    with open(path.parent / data_name, "wb") as out, bar:
         for tensor in _all_initializers(copy):
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                info = {e.key: e.value for e in tensor.external_data}
-                length = int(info.get("length", -1))
-                with open(Path(base) / info["location"], "rb") as source:
-                    source.seek(int(info.get("offset", 0)))
+                file, source_offset, length = external_source(tensor, base)
+                with open(file, "rb") as source:
+                    source.seek(source_offset)
                     remaining = length if length >= 0 else None
                     start = offset
                     while remaining is None or remaining > 0:
@@ -119,9 +212,15 @@ def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
                             break
                         out.write(chunk)
                         offset += len(chunk)
+                        bar.update(len(chunk))
                         if remaining is not None:
                             remaining -= len(chunk)
                 size = offset - start
+                if length >= 0 and size != length:
+                    raise InvalidArgumentError(
+                        f"Tensor '{tensor.name}' should hold {length} bytes in '{file}', which ended after {size}; "
+                        f"the external data is truncated."
+                    )
             elif tensor.HasField("raw_data") and len(tensor.raw_data) >= _EXTERNAL_SIZE_THRESHOLD:
                 start, size = offset, len(tensor.raw_data)
                 out.write(tensor.raw_data)
@@ -193,6 +292,14 @@ def staged_output(output_path: str | os.PathLike) -> Iterator[Path]:
                 raise RuntimeError(f"The staged model refers to external data '{item}' outside its stage.")
             os.replace(item, directory / item.name)
         os.replace(staged, target)
+    except OSError as error:
+        if isinstance(error, WriteError):
+            raise
+        raise WriteError(
+            f"Writing '{target}' failed part-way ({error.strerror or error}); nothing was left behind"
+            f"{' and the previous file is untouched' if target.exists() else ''}. Free space or raise the limit, "
+            f"then write again."
+        ) from error
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 

@@ -31,6 +31,11 @@ class ExportRefusedError(OnnxportError, RuntimeError):
     """A produced file broke one of its promises (opset, outputs, placement…); nothing was kept."""
 
 
+class WriteError(OnnxportError, OSError):
+    """Writing an output failed part-way (disk full, a file-size limit, I/O error); nothing was
+    left behind and a previous file at the target is untouched."""
+
+
 class OnnxportWarning(UserWarning):
     """Base class of onnxport's warnings."""
 

@@ -105,7 +105,7 @@ def _fit_block_grid(entry: Encoding, info: TensorInfo) -> Encoding:
         for i, (got, need) in enumerate(zip(array.shape, want)):
             if got != need and got != 1:
                 raise _fail(entry, info, f"blockwise '{what}' has shape {array.shape}; expected {want}.")
-        return np.broadcast_to(array, want).copy()
+        return array if array.shape == want else np.broadcast_to(array, want).copy()
 
     if entry.meta is not None:
         meta = entry.meta

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
+from tqdm.auto import tqdm
 
-from .._graph import all_names, unique_name, walk_graphs
+from .._graph import all_names, tensor_value, unique_name, walk_graphs
+from .._io import ScratchTensors, check_external_data, external_source
 from ..errors import InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
@@ -53,7 +58,12 @@ def _load_model(model: Any) -> tuple[onnx.ModelProto, Path | None]:
         if not path.is_file():
             raise InvalidArgumentError(f"model '{path}' is not an ONNX file that exists.")
         # Weights in external data stay on disk: only their names and shapes are needed.
-        return onnx.load_model(str(path), load_external_data=False), path.parent
+        try:
+            loaded = onnx.load_model(str(path), load_external_data=False)
+        except (DecodeError, OSError, ValueError) as error:  # not an ONNX file
+            raise InvalidArgumentError(f"model '{path}' could not be read as an ONNX file: {error}") from None
+        check_external_data(loaded, path.parent)  # a truncated .data file fails here, before any work
+        return loaded, path.parent
     raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path to an .onnx file, not {type(model).__name__}.")
 
 
@@ -153,54 +163,127 @@ def _force(entry: Encoding, how: str | None) -> Encoding:
 
 
 # -- values ------------------------------------------------------------------------------------------
-def _constant_value(name: str, info: TensorInfo, base: Path | None) -> np.ndarray:
+#: Quantize this many elements at a time: bounds the float32 temporaries of a large weight.
+_CHUNK_ELEMENTS = 1 << 22
+#: New initializers at least this large go to scratch when the model's weights stay on disk.
+_SCRATCH_BYTES = 1 << 16
+
+RowReader = Callable[[int, int], np.ndarray]
+
+
+def _find_constant(name: str, info: TensorInfo) -> onnx.TensorProto:
     for tensor in info.graph.initializer:
         if tensor.name == name:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL and base is None:
-                raise InvalidArgumentError(
-                    f"'{name}' lives in external data whose folder is unknown; pass the model as a path."
-                )
-            return numpy_helper.to_array(tensor, str(base or ""))
+            return tensor
     for node in info.graph.node:
         if node.op_type == "Constant" and node.output[0] == name:
-            return numpy_helper.to_array(next(a.t for a in node.attribute if a.name == "value"))
+            return next(a.t for a in node.attribute if a.name == "value")
     raise InvalidArgumentError(f"'{name}' is not a constant.")
+
+
+def _constant_rows(name: str, info: TensorInfo, base: Path | None) -> RowReader:
+    """A reader of rows ``[a, b)`` (along axis 0) of a constant, as float32.
+
+    A float32 weight in external data is read straight from its file a slice at a time, so a
+    weight never needs more than its own size in memory, and the model never needs its total.
+    """
+    tensor = _find_constant(name, info)
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type == onnx.TensorProto.FLOAT and tensor.dims:
+        file, offset, _ = external_source(tensor, base)
+        row = int(np.prod(tensor.dims[1:], dtype=np.int64))
+        shape = tuple(tensor.dims[1:])
+
+        def read(a: int, b: int) -> np.ndarray:
+            values = np.fromfile(file, dtype="<f4", count=(b - a) * row, offset=offset + a * row * 4)
+            return values.reshape((b - a, *shape))
+
+        return read
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and base is None and not any(
+        e.key == "basepath" for e in tensor.external_data
+    ):
+        raise InvalidArgumentError(f"'{name}' lives in external data whose folder is unknown; pass the model as a path.")
+    values = tensor_value(tensor, base).astype(np.float32, copy=False)
+    return lambda a, b: values[a:b] if values.ndim else values
 
 
 def _typed(values: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(values).astype(NUMPY_TYPES[dtype])
 
 
-def quantize_array(x: np.ndarray, entry: Encoding, scale: np.ndarray) -> np.ndarray:
-    """What ONNX QuantizeLinear computes: round half to even, add the zero-point, saturate."""
-    s = layout_param(scale, x.shape, entry.axis, entry.block_size)
-    zp = 0 if entry.zero_point is None else layout_param(entry.zero_point, x.shape, entry.axis, entry.block_size)
+def _rows_of(param: np.ndarray | None, entry: Encoding, a: int, b: int) -> np.ndarray | None:
+    """The part of a scale or zero-point that applies to rows ``[a, b)`` of the tensor."""
+    if param is None or np.ndim(param) == 0 or (np.size(param) == 1 and not entry.block_size):
+        return param
+    if entry.block_size:
+        if entry.axis == 0:
+            return param[a // entry.block_size: -(-b // entry.block_size)]
+        return param[a:b]
+    return param[a:b] if entry.axis == 0 else param
+
+
+def quantize_rows(read: RowReader, shape: tuple[int, ...], entry: Encoding, scale: np.ndarray) -> np.ndarray:
+    """What ONNX QuantizeLinear computes, in float32 as it does: ``x / scale`` rounded half to even,
+    plus the zero-point, saturated to the type — a slice of rows at a time."""
+    scale = np.asarray(scale, np.float32)
+    out = np.empty(shape, NUMPY_TYPES[entry.dtype])
     d = DTYPES[entry.dtype]
-    scaled = x.astype(np.float64) / s
-    if d.qmin is None:
-        top = float(ml_dtypes.finfo(NUMPY_TYPES[entry.dtype]).max)
-        return _typed(np.clip(scaled, -top, top), entry.dtype)
-    return _typed(np.clip(np.rint(scaled) + zp, d.qmin, d.qmax), entry.dtype)
+    rows = shape[0] if shape else 1
+    step = max(1, _CHUNK_ELEMENTS // max(1, int(np.prod(shape[1:], dtype=np.int64)))) if shape else 1
+    if entry.block_size and entry.axis == 0:
+        step = max(entry.block_size, step // entry.block_size * entry.block_size)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        x = np.asarray(read(a, b), np.float32)
+        s = layout_param(_rows_of(scale, entry, a, b), x.shape, entry.axis, entry.block_size)
+        q = x / s
+        if d.qmin is None:
+            top = np.float32(ml_dtypes.finfo(NUMPY_TYPES[entry.dtype]).max)
+            np.clip(q, -top, top, out=q)
+        else:
+            np.rint(q, out=q)
+            if entry.zero_point is not None:
+                zp = _rows_of(entry.zero_point, entry, a, b)
+                q += layout_param(np.asarray(zp, np.float32), x.shape, entry.axis, entry.block_size)
+            np.clip(q, d.qmin, d.qmax, out=q)
+        if shape:
+            out[a:b] = q.astype(out.dtype)
+        else:
+            out = q.astype(out.dtype).reshape(())
+    return out
+
+
+def quantize_array(x: np.ndarray, entry: Encoding, scale: np.ndarray) -> np.ndarray:
+    """``quantize_rows`` of an array in memory."""
+    x = np.asarray(x)
+    return quantize_rows((lambda a, b: x[a:b]) if x.ndim else (lambda a, b: x), x.shape, entry, scale)
 
 
 # -- rewriting -----------------------------------------------------------------------------------------
 class _Rewriter:
     def __init__(
-        self, model: onnx.ModelProto, info: dict[str, TensorInfo], defined: dict[str, list[TensorInfo]], base: Path | None
+        self, model: onnx.ModelProto, info: dict[str, TensorInfo], defined: dict[str, list[TensorInfo]],
+        base: Path | None, scratch: ScratchTensors | None,
     ) -> None:
         self.model = model
         self.info = info
         self.defined = defined
         self.base = base
+        self.scratch = scratch
         self.taken = all_names(model)
         self.dead_constants: set[str] = set()
 
     def name(self, base: str) -> str:
         return unique_name(base, self.taken)
 
-    def add_init(self, graph: onnx.GraphProto, base: str, values: np.ndarray) -> str:
+    def add_init(self, graph: onnx.GraphProto, base: str, values: np.ndarray, *, replaces_external: bool = False) -> str:
+        """A new initializer; on disk (scratch) when the model's weights are, for a weight that
+        replaces one read from external data or any tensor of ``_SCRATCH_BYTES`` or more."""
         name = self.name(base)
-        graph.initializer.append(numpy_helper.from_array(np.asarray(values), name))
+        values = np.asarray(values)
+        if self.scratch is not None and (replaces_external or values.nbytes >= _SCRATCH_BYTES):
+            graph.initializer.append(self.scratch.put(name, values))  # stays on disk, like the weights
+        else:
+            graph.initializer.append(numpy_helper.from_array(values, name))
         return name
 
     def scale_input(self, graph: onnx.GraphProto, entry: Encoding, nodes: list[onnx.NodeProto]) -> str:
@@ -244,9 +327,10 @@ class _Rewriter:
         outputs = {o.name for o in graph.output}
         source = entry.name
         if info.is_constant and (prequantize or entry.dtype == "int32"):
-            x = _constant_value(entry.name, info, self.base)
-            quantized = quantize_array(x, entry, entry.effective_scale())
-            stored = self.add_init(graph, f"{entry.name}_q", quantized)
+            shape = tuple(_find_constant(entry.name, info).dims)
+            quantized = quantize_rows(_constant_rows(entry.name, info, self.base), shape, entry, entry.effective_scale())
+            external = _find_constant(entry.name, info).data_location == onnx.TensorProto.EXTERNAL
+            stored = self.add_init(graph, f"{entry.name}_q", quantized, replaces_external=external)
             nodes.append(helper.make_node("DequantizeLinear", [stored, scale, zp], [qdq_name],
                                           name=self.name(f"{entry.name}_dq"), doc_string=f"onnxport: encodes {entry.name}", **attrs))
             self.dead_constants.add(entry.name)
@@ -284,9 +368,11 @@ class _Rewriter:
     def finish(self) -> None:
         for graph in walk_graphs(self.model.graph):
             used = {i for g in walk_graphs(graph) for n in g.node for i in n.input} | {o.name for o in graph.output}
-            keep = [t for t in graph.initializer if not (t.name in self.dead_constants and t.name not in used)]
-            del graph.initializer[:]
-            graph.initializer.extend(keep)
+            # Deleted in place: re-adding the kept ones would copy every weight held in memory.
+            for index in reversed(range(len(graph.initializer))):
+                name = graph.initializer[index].name
+                if name in self.dead_constants and name not in used:
+                    del graph.initializer[index]
             nodes = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in self.dead_constants and n.output[0] not in used)]
             _topological_sort(graph, nodes)
 
@@ -418,7 +504,8 @@ def encodings_to_onnx_qdq(
     if missing:
         raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
     entries: list[Encoding] = []
-    for entry in parsed.entries:
+    read, parsed.entries = parsed.entries, []  # each entry is held once: resolved replaces read
+    for entry in read:
         tensor = info[entry.name]
         if tensor.elem_type not in (None, 0, onnx.TensorProto.FLOAT):
             kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
@@ -428,15 +515,27 @@ def encodings_to_onnx_qdq(
         if not is_param:
             entry = _force(entry, force_activation_as)
         entries.append(entry)
+    read = []
     if derive_data_movement:
         entries += derive_encodings(work, {e.name: e for e in entries}, info)
     upgraded = _raise_opset(work, required_opset(entries))
     if upgraded is not work:  # a new proto: index the graphs the rewrite will edit
         work = upgraded
         info, _, defined = _index(work)
-    rewriter = _Rewriter(work, info, defined, base)
-    for entry in entries:
-        rewriter.insert(entry, prequantize_constants)
+    # A model whose weights stay on disk gets its new large tensors (prequantized weights, 7B-scale
+    # scale grids) on disk too, in a scratch file that save_model streams from.
+    scratch = ScratchTensors() if base is not None and _has_external(work) else None
+    rewriter = _Rewriter(work, info, defined, base, scratch)
+    try:
+        with tqdm(total=len(entries), desc="encodings → Q/DQ", unit="tensor", leave=False, disable=None) as bar:
+            queue = collections.deque(entries)
+            del entries  # a 7B model's scale grids are GBs of Python-held arrays: drop each once written
+            while queue:
+                rewriter.insert(queue.popleft(), prequantize_constants)
+                bar.update()
+    finally:
+        if scratch is not None:
+            scratch.close()
     rewriter.finish()
     props = [p for p in work.metadata_props if p.key not in ("producer", EXTERNAL_BASE_KEY)]
     del work.metadata_props[:]

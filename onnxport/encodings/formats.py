@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -70,6 +72,19 @@ def unsigned_twin(dtype: str) -> str:
     return dtype if dtype.startswith("u") else "u" + dtype
 
 
+def _compact(values: np.ndarray) -> np.ndarray:
+    """Integers in the narrowest NumPy type that holds them; other values as they are."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iu" and not (values.dtype.kind == "f" and values.size and np.all(values == np.round(values))
+                                              and np.all(np.abs(values) < 2**31)):
+        return values
+    for dtype in (np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if values.size == 0 or (values.min() >= info.min and values.max() <= info.max):
+            return values.astype(dtype)
+    return values.astype(np.int64)
+
+
 @dataclass(frozen=True)
 class ScaleMeta:
     """A double-quantized scale: ``y_scale = DequantizeLinear(x, x_scale, x_zero_point, axis, block_size)``."""
@@ -81,10 +96,16 @@ class ScaleMeta:
     axis: int | None = None
     block_size: int | None = None
 
+    def __post_init__(self) -> None:
+        # Held as written (float32 scales, the narrowest integers): a 7B model's grids are 10^7 values.
+        object.__setattr__(self, "x_scale", np.asarray(self.x_scale, np.float32))
+        object.__setattr__(self, "x", _compact(self.x))
+
     def dequantized(self) -> np.ndarray:
-        scale = layout_param(self.x_scale, self.x.shape, self.axis, self.block_size)
+        """The scale this defines, in float32 as the file's DequantizeLinear computes it."""
+        scale = layout_param(np.asarray(self.x_scale, np.float32), self.x.shape, self.axis, self.block_size)
         zp = 0 if self.x_zero_point is None else layout_param(self.x_zero_point, self.x.shape, self.axis, self.block_size)
-        return (self.x.astype(np.float64) - zp) * scale
+        return ((self.x.astype(np.float32) - np.asarray(zp, np.float32)) * scale).astype(np.float32)
 
 
 def layout_param(param: np.ndarray, shape: tuple[int, ...], axis: int | None, block_size: int | None) -> np.ndarray:
@@ -122,6 +143,10 @@ class Encoding:
     pending: str | None = None
     flat: dict[str, Any] = field(default_factory=dict)  # legacy flat arrays awaiting a layout
 
+    def __post_init__(self) -> None:
+        if self.scale is not None:  # validated as float32, and written as float32
+            object.__setattr__(self, "scale", np.asarray(self.scale, np.float32))
+
     @property
     def n_scales(self) -> int:
         if self.scale is not None:
@@ -129,28 +154,95 @@ class Encoding:
         return int(self.meta.x.size) if self.meta is not None else 1
 
     def effective_scale(self) -> np.ndarray:
-        return self.meta.dequantized() if self.meta is not None else np.asarray(self.scale, dtype=np.float64)
+        return self.meta.dequantized() if self.meta is not None else np.asarray(self.scale, dtype=np.float32)
 
     def with_(self, **changes: Any) -> Encoding:
         return replace(self, **changes)
 
 
 # -- loading -------------------------------------------------------------------------------------
-def load_encodings(encodings: dict | str | os.PathLike) -> dict:
+#: Files larger than this are read one entry at a time (a 7B model's blockwise grids run to GBs of JSON).
+STREAM_ABOVE_BYTES = 64 * 2**20
+_MISSING = object()
+
+
+class StreamedEncodings:
+    """An encodings file too large to hold as Python objects, read one entry at a time (ijson).
+
+    ``get`` mirrors ``dict.get`` for the top-level keys: the version comes back as a value, a
+    section as a lazy iterable of its entries (``(name, value)`` pairs for an object section).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    def _items(self, prefix: str, pairs: bool = False) -> Iterator[Any]:
+        import ijson
+
+        try:
+            with open(self.path, "rb") as handle:
+                reader = ijson.kvitems if pairs else ijson.items
+                yield from reader(handle, prefix, use_float=True)
+        except ijson.JSONError as error:
+            raise InvalidArgumentError(f"encodings file '{self.path}' is not valid JSON: {error}.") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "version":
+            return next(iter(self._items("version")), default)
+        return _StreamedSection(self, key, default)
+
+
+class _StreamedSection:
+    """A top-level section of a streamed file; its type is checked only when it yields nothing."""
+
+    def __init__(self, source: StreamedEncodings, key: str, default: Any) -> None:
+        self.source, self.key, self.default = source, key, default
+
+    def kind(self, wanted: type) -> type:
+        """The section's type, found by reading only up to its first entry when it has one."""
+        probes = [(dict, True), (list, False)] if wanted is dict else [(list, False), (dict, True)]
+        for kind, pairs in probes:
+            if next(iter(self.entries(pairs)), _MISSING) is not _MISSING:
+                return kind
+        value = next(iter(self.source._items(self.key)), _MISSING)  # empty, a scalar, or absent
+        return type(self.default if value is _MISSING else value)
+
+    def entries(self, pairs: bool) -> Iterator[Any]:
+        return self.source._items(self.key if pairs else f"{self.key}.item", pairs=pairs)
+
+
+def load_encodings(encodings: dict | str | os.PathLike) -> dict | StreamedEncodings:
+    """The encodings as a dict, or — for a file over ``STREAM_ABOVE_BYTES`` — a streamed reader."""
     if isinstance(encodings, dict):
         return encodings
     if isinstance(encodings, (str, os.PathLike)):
+        path = Path(encodings)
+        if not path.is_file():
+            what = "is a directory, not an encodings file" if path.is_dir() else "does not exist"
+            raise InvalidArgumentError(f"encodings file '{encodings}' {what}.")
+        if path.stat().st_size > STREAM_ABOVE_BYTES:
+            return StreamedEncodings(path)
         try:
-            with open(encodings, encoding="utf-8") as handle:
+            with open(path, encoding="utf-8") as handle:
                 data = json.load(handle)
-        except FileNotFoundError:
-            raise InvalidArgumentError(f"encodings file '{encodings}' does not exist.") from None
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise InvalidArgumentError(f"encodings file '{encodings}' is not valid JSON: {error}.") from None
         if not isinstance(data, dict):
             raise InvalidArgumentError(f"encodings file '{encodings}' must hold a JSON object at the top level, not {type(data).__name__}.")
         return data
     raise InvalidArgumentError(f"encodings must be a dict or a path to an encodings file, not {type(encodings).__name__}.")
+
+
+def _section(data: dict | StreamedEncodings, key: str, kind: type, missing: Any) -> tuple[type, Any]:
+    """(the section's type, its entries — pairs for an object section) of a dict or a streamed file."""
+    if isinstance(data, StreamedEncodings):
+        section = data.get(key, missing)
+        found = section.kind(kind)
+        return found, section.entries(pairs=kind is dict) if found is kind else ()
+    value = data.get(key, missing)
+    if not isinstance(value, kind):
+        return type(value), ()
+    return kind, value.items() if kind is dict else value
 
 
 _FLOAT32 = np.finfo(np.float32)
@@ -289,12 +381,8 @@ class _Field:
 def effective_scale_problem(meta: ScaleMeta, allow_subnormal: bool = False) -> str | None:
     """Why a double-quantized scale, computed in float32 as DequantizeLinear computes it, is not a
     usable scale (each factor may be valid while their product is 0, negative or overflows)."""
-    x = meta.x.astype(np.float32)
-    x_scale = meta.x_scale.astype(np.float32)
-    zp = 0 if meta.x_zero_point is None else layout_param(meta.x_zero_point, x.shape, meta.axis, meta.block_size)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        product = (x - np.asarray(zp, np.float32)) * layout_param(x_scale, x.shape, meta.axis, meta.block_size)
-        product = product.astype(np.float32)
+        product = meta.dequantized()
     checks = [(~np.isfinite(product), "overflows float32"), (product <= 0, "is zero or negative")]
     if not allow_subnormal:
         checks.append((product < _FLOAT32.tiny, "is subnormal in float32 (pass allow_subnormal_scales=True to keep it)"))
@@ -582,7 +670,7 @@ class ParsedEncodings:
     omitted: list[str]  # float16/bfloat16 plain casts
 
 
-def parse_encodings(data: dict, *, allow_subnormal_scales: bool = False) -> ParsedEncodings:
+def parse_encodings(data: dict | StreamedEncodings, *, allow_subnormal_scales: bool = False) -> ParsedEncodings:
     """Validate a whole encodings file and normalise every entry (no graph needed).
 
     Every number is checked in the type it will be written in: scales as float32 (finite,
@@ -606,24 +694,22 @@ def parse_encodings(data: dict, *, allow_subnormal_scales: bool = False) -> Pars
             entries.append(result)
 
     if version == "0.6.1":
-        sections = {}
-        for key in ("param_encodings", "activation_encodings"):
-            section = data.get(key, {})
-            if not isinstance(section, dict):
-                raise InvalidArgumentError(f"Section '{key}' of a 0.6.1 encodings file must be an object, not {type(section).__name__}.")
-            sections[key] = section
-        both = sorted(set(sections["param_encodings"]) & set(sections["activation_encodings"]))
-        if both:
-            raise InvalidArgumentError(f"Tensor(s) {both} appear in both 'param_encodings' and 'activation_encodings'; each tensor is one or the other.")
+        names: dict[str, str] = {}
         for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
-            for name, value in sections[key].items():
+            found, section = _section(data, key, dict, {})
+            if found is not dict:
+                raise InvalidArgumentError(f"Section '{key}' of a 0.6.1 encodings file must be an object, not {found.__name__}.")
+            for name, value in section:
+                if names.get(name, key) != key:
+                    raise InvalidArgumentError(f"Tensor(s) ['{name}'] appear in both 'param_encodings' and 'activation_encodings'; each tensor is one or the other.")
+                names[name] = key
                 keep(_parse_061(name, value, kind, allow_subnormal_scales), name)
     elif version == "1.0.0":
         seen: dict[str, str] = {}
         for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
-            section = data.get(key, [])
-            if not isinstance(section, list):
-                raise InvalidArgumentError(f"Section '{key}' of a 1.0.0 encodings file must be a list, not {type(section).__name__}.")
+            found, section = _section(data, key, list, [])
+            if found is not list:
+                raise InvalidArgumentError(f"Section '{key}' of a 1.0.0 encodings file must be a list, not {found.__name__}.")
             for index, entry in enumerate(section):
                 name = _entry_name(entry, index, key)
                 if name in seen:
@@ -632,9 +718,9 @@ def parse_encodings(data: dict, *, allow_subnormal_scales: bool = False) -> Pars
                 seen[name] = key
                 keep(_parse_100(entry, kind, allow_subnormal_scales), name)
     else:
-        section = data.get("encodings")
-        if not isinstance(section, list):
-            raise InvalidArgumentError(f"A version {version} encodings file needs an 'encodings' list, not {type(section).__name__}.")
+        found, section = _section(data, "encodings", list, None)
+        if found is not list:
+            raise InvalidArgumentError(f"A version {version} encodings file needs an 'encodings' list, not {found.__name__}.")
         seen_names: set[str] = set()
         for index, entry in enumerate(section):
             name = _entry_name(entry, index, "encodings")

@@ -129,9 +129,9 @@ def strip_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
             elif node.input[0] in consts:
                 zp_name = node.input[2] if len(node.input) > 2 else ""
                 attrs = {a.name: a.i for a in node.attribute}
-                q = numpy_helper.to_array(consts[node.input[0]]).astype(np.float64)
-                scale = numpy_helper.to_array(consts[node.input[1]]).astype(np.float64)
-                zp = numpy_helper.to_array(consts[zp_name]).astype(np.float64) if zp_name else np.zeros(())
+                q = tensor_value(consts[node.input[0]]).astype(np.float64)
+                scale = tensor_value(consts[node.input[1]]).astype(np.float64)
+                zp = tensor_value(consts[zp_name]).astype(np.float64) if zp_name else np.zeros(())
                 axis, block = attrs.get("axis", 1) % max(q.ndim, 1), attrs.get("block_size")
                 scale = layout_param(scale, q.shape, axis, block)
                 zp = layout_param(zp, q.shape, axis, block)
