@@ -176,6 +176,34 @@ def _streamed_bytes(model: onnx.ModelProto, base: str | None) -> int:
     return total
 
 
+def _copy_range(source, out, offset: int, length: int, bar) -> int:
+    """Append ``length`` bytes (all, when -1) of ``source`` from ``offset`` to ``out``; the bytes
+    that were copied. In the kernel where it can (``os.copy_file_range``: 2-3x faster than reading
+    and writing through Python), else a chunk at a time."""
+    copied = 0
+    fast = hasattr(os, "copy_file_range")
+    while length < 0 or copied < length:
+        want = _CHUNK if length < 0 else min(_CHUNK, length - copied)
+        if fast:
+            try:
+                n = os.copy_file_range(source.fileno(), out.fileno(), want, offset + copied)
+            except OSError:  # another file system, or a kernel without it: copy through Python
+                fast = False
+                continue
+        else:
+            source.seek(offset + copied)
+            chunk = source.read(want)
+            out.write(chunk)
+            n = len(chunk)
+        if n == 0:
+            break
+        copied += n
+        bar.update(n)
+    if not fast:
+        out.flush()
+    return copied
+
+
 def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
     """Write a model whose weights are partly still on disk, copying them tensor by tensor.
 
@@ -202,20 +230,11 @@ def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
         for tensor in _all_initializers(copy):
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 file, source_offset, length = external_source(tensor, base)
+                start = offset
                 with open(file, "rb") as source:
-                    source.seek(source_offset)
-                    remaining = length if length >= 0 else None
-                    start = offset
-                    while remaining is None or remaining > 0:
-                        chunk = source.read(_CHUNK if remaining is None else min(_CHUNK, remaining))
-                        if not chunk:
-                            break
-                        out.write(chunk)
-                        offset += len(chunk)
-                        bar.update(len(chunk))
-                        if remaining is not None:
-                            remaining -= len(chunk)
-                size = offset - start
+                    out.flush()
+                    size = _copy_range(source, out, source_offset, length, bar)
+                offset += size
                 if length >= 0 and size != length:
                     raise InvalidArgumentError(
                         f"Tensor '{tensor.name}' should hold {length} bytes in '{file}', which ended after {size}; "
@@ -302,6 +321,23 @@ def staged_output(output_path: str | os.PathLike) -> Iterator[Path]:
         ) from error
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write a text file (a JSON report) through a temporary file beside it, then replace."""
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    handle, scratch = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=directory)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(scratch, target)
+    except OSError as error:
+        raise WriteError(f"Writing '{target}' failed ({error.strerror or error}); nothing was left behind.") from error
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
 
 
 def save_model(
