@@ -29,6 +29,9 @@ _EXPORTS = {
     "QuantSpec": ".quantize",
     "quant_spec": ".quantize",
     "precision_table": ".quantize",
+    "sensitivity": ".quantize.sensitivity",
+    "quantize_within_budget": ".quantize.sensitivity",
+    "BudgetResult": ".quantize.sensitivity",
     "export_qdq": ".qdq.export",
     "qdq_stats": ".qdq.stats",
     "qdq_report": ".qdq.stats",
@@ -37,6 +40,9 @@ _EXPORTS = {
     "verify_qdq": ".qdq.verify",
     "compare_qdq": ".qdq.verify",
     "QDQComparison": ".qdq.verify",
+    "compare_layers": ".qdq.layers",
+    "LayerReport": ".qdq.layers",
+    "LayerRow": ".qdq.layers",
     "check_target": ".qdq.targets",
     "encodings_to_onnx_qdq": ".encodings",
     "onnx_qdq_to_encodings": ".encodings",
@@ -52,8 +58,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .qdq.export import export_qdq
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.targets import check_target
+    from .qdq.layers import LayerReport, LayerRow, compare_layers
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
+    from .quantize.sensitivity import BudgetResult, quantize_within_budget, sensitivity
     from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
     from .export import export_onnx
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx

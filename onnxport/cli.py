@@ -44,7 +44,12 @@ def load_model(spec: str) -> Any:
     if spec.endswith(".pt2"):
         if not Path(spec).is_file():
             raise UsageError(f"MODEL '{spec}' does not exist.")
-        return torch.export.load(spec).module()
+        import torch.ao.quantization.fx._decomposed  # registers the ops a saved pt2e program calls
+
+        try:
+            return torch.export.load(spec).module()
+        except RuntimeError as error:
+            raise UsageError(f"MODEL '{spec}' could not be loaded as a torch.export program: {error}") from None
     if ":" not in spec:
         raise UsageError(f"MODEL '{spec}' must be 'package.module:callable' or a .pt2 file saved with torch.export.save.")
     module_name, _, attr = spec.partition(":")
@@ -180,6 +185,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_debug(args: argparse.Namespace) -> int:
+    from .qdq.layers import compare_layers
+
+    if not Path(args.file).is_file():
+        raise UsageError(f"FILE '{args.file}' does not exist.")
+    for option, path in (("--json", args.json), ("--png", args.png)):
+        if path is not None and not (Path(path).parent if str(Path(path).parent) else Path(".")).is_dir():
+            raise UsageError(f"{option} '{path}': its directory does not exist.")
+    model = None if args.optimized else load_model(args.model)
+    sample = _sample(args.input_shape, model)
+    report = compare_layers(model, args.file, sample, optimized=args.optimized, n_batches=args.n_batches)
+    print(report)
+    if args.json:
+        from ._io import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps(report.as_dict(), indent=2, default=str))
+        print(f"wrote {args.json}")
+    if args.png:
+        try:
+            report.plot(args.png)
+            print(f"wrote {args.png}")
+        except OnnxportError as error:
+            print(f"onnxport debug: no picture: {error}", file=sys.stderr)
+    return 1 if report.first_divergence is not None and report.first_divergence.cause != "rounding" else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     try:
         bench = importlib.import_module("bench.__main__")
@@ -254,6 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--rtol", type=float, default=1e-3)
     verify.add_argument("--atol", type=float, default=1e-5)
     verify.set_defaults(func=cmd_verify)
+
+    debug = sub.add_parser("debug", help="layer by layer: where a Q/DQ file and its pt2e model part ways")
+    model_args(debug)
+    debug.add_argument("file", metavar="FILE.onnx")
+    debug.add_argument("--optimized", action="store_true",
+                       help="compare ONNX Runtime's optimised run with the unoptimised one (MODEL is not loaded)")
+    debug.add_argument("--n-batches", type=int, default=1, help="split the inputs into this many batches (fixed-batch files)")
+    debug.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    debug.add_argument("--png", metavar="PATH", help="also write a picture of the error per layer (needs matplotlib)")
+    debug.set_defaults(func=cmd_debug)
 
     bench = sub.add_parser("bench", help="run the benchmarks under bench/ (source checkout)")
     bench.add_argument("--only", nargs="*", help="benchmark names to run")

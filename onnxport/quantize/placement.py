@@ -126,7 +126,7 @@ def _downstream_observed_module(nodes: list[Node]) -> str | None:
     return None
 
 
-def check_skip_names(model: torch.nn.Module, names: list[str]) -> None:
+def check_skip_names(model: torch.nn.Module, names: list[str], argument: str = "skip_activations") -> None:
     """Every name must be a module of ``model``; raise listing close matches otherwise."""
     known = {n for n, _ in model.named_modules() if n}
     for name in names:
@@ -134,8 +134,49 @@ def check_skip_names(model: torch.nn.Module, names: list[str]) -> None:
             close = difflib.get_close_matches(str(name), sorted(known), n=3)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise InvalidArgumentError(
-                f"skip_activations names {name!r}, which is not a module of this model.{hint}"
+                f"{argument} names {name!r}, which is not a module of this model.{hint}"
             )
+
+
+def quantized_layers(model: GraphModule) -> list[str]:
+    """The modules (innermost, in graph order) whose weights an annotated graph quantizes."""
+    layers: list[str] = []
+    for node in model.graph.nodes:
+        annotation = annotation_of(node)
+        if annotation is None or not any(getattr(arg, "op", None) == "get_attr" for arg in annotation.input_qspec_map):
+            continue
+        stack = node.meta.get("nn_module_stack", {})
+        if stack:
+            path = list(stack.values())[-1][0].removeprefix("L['self'].")
+            if path and path not in layers:
+                layers.append(path)
+    return layers
+
+
+def skip_layers(model: GraphModule, names: list[str]) -> dict[str, int]:
+    """Leave the named modules entirely in float: their weights, what they read of their own and
+    what they hand on (no observer on their outputs, nor on the edges reading them)."""
+    edits: dict[str, int] = {}
+    dead: set[object] = set()
+    for name in names:
+        count = 0
+        for node in module_nodes(model, name):
+            annotation = annotation_of(node)
+            if annotation is not None:
+                count += len(annotation.input_qspec_map) + (annotation.output_qspec is not None)
+                for arg in annotation.input_qspec_map:
+                    dead.add((arg, node))
+                annotation.input_qspec_map.clear()
+                annotation.output_qspec = None
+            dead.add(node)
+            for user in node.users:
+                user_annotation = annotation_of(user)
+                if user_annotation is not None and user_annotation.input_qspec_map.pop(node, None) is not None:
+                    count += 1
+                dead.add((node, user))
+        edits[name] = count
+    _sweep_shared(model, dead)
+    return edits
 
 
 def skip_activations(model: GraphModule, names: list[str]) -> dict[str, int]:

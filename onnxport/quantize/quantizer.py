@@ -17,7 +17,7 @@ from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, On
 from .annotate import AnnotationContext, annotate_graph
 from .calibration import read_calibration
 from .observers import OBSERVERS, activation_qspec, weight_qspec
-from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add
+from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
 
 BACKENDS = ("pt2e", "torchao")
@@ -51,11 +51,12 @@ def _finish_pt2e(model: GraphModule, spec: QuantSpec) -> GraphModule:
 class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
     """The torchao ``Quantizer`` subclass carrying our annotation and placement edits."""
 
-    def __init__(self, ctx: AnnotationContext, placement: str, skip: list[str]) -> None:
+    def __init__(self, ctx: AnnotationContext, placement: str, skip: list[str], float_layers: list[str]) -> None:
         super().__init__()
         self.ctx = ctx
         self.placement = placement
         self.skip = skip
+        self.float_layers = float_layers
         self.conv_add_edges: tuple[int, int] | None = None
 
     def annotate(self, model: GraphModule) -> GraphModule:
@@ -71,6 +72,8 @@ class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
                 )
         if self.skip:
             skip_activations(model, self.skip)
+        if self.float_layers:
+            skip_layers(model, self.float_layers)
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -126,6 +129,9 @@ class Quantizer:
         qdq_placement: ``'per_op'`` (every operator's inputs quantized, both inputs of every add)
             or ``'skip_conv_add'`` (the residual branch's conv reaches its add unquantized).
         skip_activations: module names whose output activations stay float.
+        float_layers: module names left entirely in float (weights and outputs): what
+            :func:`onnxport.quantize_within_budget` chooses, and what :func:`onnxport.sensitivity`
+            tries one at a time.
         group_size: weight group size of ``'int4_weight_only'``.
         target: a deployment preset for pt2e (see the README's "choosing a target"):
             ``'tensorrt'`` — int8, every zero-point 0, per-channel weights, Q/DQ on both add
@@ -147,6 +153,7 @@ class Quantizer:
         observer: str = "histogram",
         qdq_placement: str = "per_op",
         skip_activations: Sequence[str] | None = None,
+        float_layers: Sequence[str] | None = None,
         group_size: int = 128,
         target: str | None = None,
         activation_bits: int = 8,
@@ -185,6 +192,11 @@ class Quantizer:
                 f"skip_activations must be a list of module names such as ['layer1.0.relu'], not {skip_activations!r}."
             )
         self.skip_activations = list(skip_activations or [])
+        if float_layers is not None and (isinstance(float_layers, str) or not all(isinstance(s, str) for s in float_layers)):
+            raise InvalidArgumentError(
+                f"float_layers must be a list of module names such as ['layer4.1.conv2'], not {float_layers!r}."
+            )
+        self.float_layers = list(float_layers or [])
         if not isinstance(group_size, int) or group_size <= 0:
             raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
         self.group_size = group_size
@@ -201,7 +213,7 @@ class Quantizer:
         return (
             f"Quantizer(backend={self.backend!r}, method={self.method!r}, qscheme={self.qscheme!r}, "
             f"symmetric={self.symmetric}, observer={self.observer!r}, qdq_placement={self.qdq_placement!r}, "
-            f"skip_activations={self.skip_activations!r}, target={self.target!r})"
+            f"skip_activations={self.skip_activations!r}, float_layers={self.float_layers!r}, target={self.target!r})"
         )
 
     # -- the record ----------------------------------------------------------------------
@@ -212,6 +224,7 @@ class Quantizer:
                 backend="pt2e", method=self.method, weight_bits=8, activation_bits=self.activation_bits,
                 qscheme=self.qscheme, symmetric=self.symmetric and self.target != "onnxruntime",
                 placement=self.qdq_placement, skipped_modules=tuple(self.skip_activations),
+                float_layers=tuple(self.float_layers),
                 observer=self.observer if self.method == "static" else "fake_quant", target=self.target,
             )
         bits = 4 if self.method == "int4_weight_only" else 8
@@ -237,7 +250,7 @@ class Quantizer:
             is_qat=is_qat,
             post_relu=post_relu,
         )
-        return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations)
+        return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 
     # -- PTQ -------------------------------------------------------------------------------
     def quantize(
@@ -275,11 +288,19 @@ class Quantizer:
             )
         if self.skip_activations:
             check_skip_names(model, self.skip_activations)
+        if self.float_layers:
+            check_skip_names(model, self.float_layers, "float_layers")
         batches = read_calibration(calibration_dl, model, max_calibration_samples)
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
         work = copy.deepcopy(model).eval()
         captured = _capture(work, batches[0], dynamic_batch)
+        return self._quantize_captured(captured, batches, dynamic_batch)
+
+    def _quantize_captured(self, captured: GraphModule, batches: list[tuple[torch.Tensor, ...]],
+                           dynamic_batch: bool) -> GraphModule:
+        """Annotate, calibrate and convert a captured graph (consumed): the part of ``quantize``
+        a search repeats, capturing once."""
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
         quantizer = self._pt2e_quantizer(is_qat=False)
         prepared = prepare_pt2e(captured, quantizer)
         self._calibrate(prepared, batches, dynamic_batch)
@@ -321,6 +342,8 @@ class Quantizer:
         inputs = as_input_tuple(example_inputs, "example_inputs")
         if self.skip_activations:
             check_skip_names(model, self.skip_activations)
+        if self.float_layers:
+            check_skip_names(model, self.float_layers, "float_layers")
         work = copy.deepcopy(model).train()
         captured = _capture(work, inputs, dynamic_batch)
         prepared = prepare_qat_pt2e(captured, self._pt2e_quantizer(is_qat=True))

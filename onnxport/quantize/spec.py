@@ -25,6 +25,8 @@ class QuantSpec:
         group_size: the weight group size of grouped recipes, else ``None``.
         placement: the Q/DQ placement policy (``'per_op'``, ``'skip_conv_add'``) of pt2e models.
         skipped_modules: modules whose output activations were left in float.
+        float_layers: modules left entirely in float (weights and outputs), e.g. the ones
+            ``quantize_within_budget`` kept to meet an accuracy budget.
         observer: the activation observer used for calibration.
         dynamic_activations: activations are quantized at run time from their own range.
         target: the deployment target preset the model was quantized for, if any.
@@ -42,6 +44,7 @@ class QuantSpec:
     observer: str | None = None
     dynamic_activations: bool = False
     target: str | None = None
+    float_layers: tuple[str, ...] = ()
 
     def qdq_refusal(self) -> str | None:
         """Why this precision has no QuantizeLinear/DequantizeLinear form, or ``None`` if it has one."""
