@@ -253,3 +253,42 @@ def test_weight_transpose_is_folded_into_the_constant_exactly():
     feeds = {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}
     assert run(folded, feeds, optimized=False)[0].tobytes() == run(model, feeds, optimized=False)[0].tobytes()
     assert fold_weight_transpose(folded).SerializeToString() == folded.SerializeToString()
+
+
+def test_weight_transpose_folding_reaches_into_if_bodies_and_keeps_shared_weights():
+    """Both branches of an If read the outer weight through DQ → Transpose → MatMul; the main graph
+    reads it too. Every foldable Transpose is folded, the shared weight stays, the checker passes."""
+    import onnx_ir as ir
+
+    from onnxport.passes import fold_weight_transpose
+    from onnxport.passes.fold_weight_transpose import FoldWeightTransposePass
+
+    w = RNG.integers(-127, 128, size=(5, 4)).astype(np.int8)
+    inits = [_c("w", w), _c("ws", np.linspace(0.01, 0.05, 5).astype(np.float32)), _c("wz", np.zeros(5, np.int8))]
+
+    def branch(name: str) -> onnx.GraphProto:
+        nodes = [helper.make_node("DequantizeLinear", ["w", "ws", "wz"], [f"{name}_wd"], axis=0),
+                 helper.make_node("Transpose", [f"{name}_wd"], [f"{name}_wt"], perm=[1, 0]),
+                 helper.make_node("MatMul", ["x", f"{name}_wt"], ["same"])]  # the same name in both branches
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info("same", TensorProto.FLOAT, [2, 3, 5])])
+
+    nodes = [helper.make_node("If", ["flag"], ["picked"], then_branch=branch("then"), else_branch=branch("else")),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], axis=0),
+             helper.make_node("ReduceSum", ["wd"], ["total"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("picked", TensorProto.FLOAT, [2, 3, 5]),
+                               helper.make_tensor_value_info("total", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    folded = fold_weight_transpose(model)
+    onnx.checker.check_model(folded, full_check=True)
+    assert "w" in {t.name for t in folded.graph.initializer}  # the main graph still reads it
+    bodies = [a.g for n in folded.graph.node if n.op_type == "If" for a in n.attribute]
+    assert all("Transpose" not in [n.op_type for n in body.node] for body in bodies)
+    for flag in (True, False):
+        feeds = {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32), "flag": np.array(flag)}
+        got, want = run(folded, feeds, optimized=False), run(model, feeds, optimized=False)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want))
+    ir_model = ir.from_proto(folded)
+    assert FoldWeightTransposePass()(ir_model).modified is False  # idempotent, and honest about it
+    assert FoldWeightTransposePass()(ir.from_proto(model)).modified is True

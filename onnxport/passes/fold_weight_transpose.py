@@ -4,60 +4,84 @@ torch.onnx writes ``linear`` on a 3-D input as ``MatMul(x, Transpose(W))``; in a
 Transpose then sits between the weight's DequantizeLinear and the MatMul, where runtimes look for
 a DQ feeding the MatMul directly. Storing the int8 weight transposed (and moving the DQ's axis
 with it) computes exactly the same values.
+
+An ``onnx_ir`` pass: every graph is visited, If/Loop/Scan bodies included, and a weight that
+some other node (in any body) still reads is kept.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._graph import all_names, consumers, is_default_domain, producers, unique_name
+_DEFAULT = ("", "ai.onnx")
+
+
+def _unique(base: str, taken: set[str]) -> str:
+    name, index = base, 0
+    while name in taken:
+        index += 1
+        name = f"{base}_{index}"
+    taken.add(name)
+    return name
+
+
+class FoldWeightTransposePass(ir.passes.InPlacePass):
+    """Fold every foldable weight Transpose; ``modified`` says whether one was found."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        taken = {v.name for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in (*node.inputs, *node.outputs)
+                 if v is not None and v.name}
+        taken |= set(model.graph.initializers)
+        modified = False
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+            if node.op_type != "Transpose" or node.domain not in _DEFAULT:
+                continue
+            dq = node.inputs[0].producer() if node.inputs[0] is not None else None
+            if dq is None or dq.op_type != "DequantizeLinear" or dq.domain not in _DEFAULT:
+                continue
+            weight, scale = dq.inputs[0], dq.inputs[1]
+            if weight is None or weight.const_value is None or scale is None or scale.const_value is None:
+                continue
+            if len(dq.outputs[0].uses()) != 1 or dq.outputs[0].is_graph_output() or node.outputs[0].is_graph_output():
+                continue
+            values = weight.const_value.numpy()
+            perm_attr = node.attributes.get("perm")
+            perm = list(perm_attr.as_ints()) if perm_attr is not None else list(range(values.ndim))[::-1]
+            axis_attr = dq.attributes.get("axis")
+            axis = (axis_attr.as_int() if axis_attr is not None else 1) % values.ndim
+            moved = ir.Value(name=_unique(f"{weight.name}_transposed", taken),
+                             const_value=ir.tensor(np.ascontiguousarray(values.transpose(perm))))
+            graph = node.graph
+            graph.register_initializer(moved)
+            attributes = {"axis": perm.index(axis)} if scale.const_value.size > 1 else {}
+            folded = ir.node("DequantizeLinear", [moved, *dq.inputs[1:]], attributes,
+                             name=_unique(f"{node.name or moved.name}_dq", taken))
+            graph.insert_before(node, folded)
+            node.outputs[0].replace_all_uses_with(folded.outputs[0])
+            folded.outputs[0].name = node.outputs[0].name  # the value keeps its name for readers' sake
+            node.outputs[0].name = _unique(f"{node.outputs[0].name}_unfolded", taken)
+            modified = True
+        if modified:
+            RemoveUnusedNodesPass()(model)  # the old Transpose, DQ and weight, wherever nothing reads them
+        return ir.passes.PassResult(model, modified)
 
 
 def fold_weight_transpose(model: onnx.ModelProto, base_dir: str | None = None) -> onnx.ModelProto:
     """Return a copy of ``model`` with every foldable weight Transpose folded (idempotent)."""
+    if base_dir:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        load_external_data_for_model(model, base_dir)
+    work = ir.from_proto(model)
+    result = FoldWeightTransposePass()(work)
+    return ir.to_proto(result.model) if result.modified else _copy(model)
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    graph = result.graph
-    inits = {t.name: t for t in graph.initializer}
-    made_by = producers(graph)
-    readers = consumers(graph)
-    taken = all_names(result)
-    replaced: dict[int, onnx.NodeProto] = {}
-    for index, node in enumerate(graph.node):
-        if node.op_type != "Transpose" or not is_default_domain(node):
-            continue
-        dq = made_by.get(node.input[0])
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
-            continue
-        if len(readers.get(dq.output[0], [])) != 1 or dq.output[0] in {o.name for o in graph.output}:
-            continue
-        weight = numpy_helper.to_array(inits[dq.input[0]], base_dir or "")
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(range(weight.ndim))[::-1])
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-        axis = axis % weight.ndim
-        scale_size = int(np.prod(next(t.dims for t in graph.initializer if t.name == dq.input[1]))) if dq.input[1] in inits else None
-        if scale_size is None:
-            continue
-        name = unique_name(f"{dq.input[0]}_transposed", taken)
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)), name))
-        attrs = {"axis": perm.index(axis)} if scale_size > 1 else {}
-        replaced[index] = helper.make_node(
-            "DequantizeLinear", [name, *dq.input[1:]], [node.output[0]], name=f"{node.name or name}_dq", **attrs
-        )
-    if not replaced:
-        return result
-    nodes = [replaced.get(i, n) for i, n in enumerate(graph.node)]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    # The original DQ and weight now have no reader; drop them.
-    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
-    nodes = [n for n in graph.node if not (n.op_type == "DequantizeLinear" and n.output[0] not in used)]
-    del graph.node[:]
-    graph.node.extend(nodes)
-    used = {i for n in graph.node for i in n.input}
-    keep = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
     return result
