@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings")
+BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers")
 HERE = Path(__file__).resolve().parent
 
 

@@ -39,7 +39,7 @@ def test_the_budget_keeps_fewer_layers_float_than_the_first_n(spoiled):
     result = quantize_within_budget(model, calibration, evaluation, budget=0.99, quantizer=PER_TENSOR)
     assert result.fully_quantized_value < 0.99 <= result.value
     assert result.float_layers == ("conv3",) and quant_spec(result.model).float_layers == ("conv3",)
-    assert "conv3" in str(result) and result.trials == 1 + 4 + 1  # full, one per layer, the choice
+    assert "conv3" in str(result) and result.trials == 1 + 4 + 1  # full, one per layer, then k = 1 meets it
     reference = model(evaluation[0]).detach()
     order = ["conv1", "conv2", "conv3", "fc"]  # the naive choice: the first N layers in model order
     naive = next(n for n in range(1, 5) if score(reference, Quantizer(qscheme="per_tensor", float_layers=order[:n])
@@ -51,6 +51,13 @@ def test_the_budget_keeps_fewer_layers_float_than_the_first_n(spoiled):
                    and getattr(n.args[0], "op", None) == "get_attr")  # weights are stored quantized
 
     assert weight_quantizers(result.model) == weight_quantizers(PER_TENSOR.quantize(model, calibration)) - 1
+
+
+def test_a_ranking_is_reused_instead_of_measured_again(spoiled):
+    model, calibration, evaluation = spoiled
+    ranking = sensitivity(model, calibration, evaluation, quantizer=PER_TENSOR)
+    result = quantize_within_budget(model, calibration, evaluation, budget=0.99, quantizer=PER_TENSOR, ranking=ranking)
+    assert result.float_layers == ("conv3",) and result.trials == 2  # full, then the choice
 
 
 def test_a_budget_nothing_meets_is_refused_clearly(spoiled):
@@ -71,3 +78,21 @@ def test_bad_arguments(spoiled):
         Quantizer(float_layers="conv1")
     with pytest.raises(InvalidArgumentError, match="quantizer must be a Quantizer"):
         sensitivity(model, calibration, evaluation, quantizer=Quantizer(backend="torchao", method="int8_weight_only"))
+
+
+@pytest.mark.parametrize("need, limit", [(1, 54), (13, 54), (54, 54), (7, 7), (None, 20)])
+def test_the_fewest_float_layers_are_found_in_logarithmic_trials(need, limit):
+    from onnxport.quantize.sensitivity import _fewest
+
+    calls = []
+
+    def measure(k):
+        calls.append(k)
+        return (1.0 if need is not None and k >= need else 0.5), f"model with {k}"
+
+    found = _fewest(measure, limit, budget=0.9)
+    if need is None:
+        assert found is None
+    else:
+        assert found == (need, 1.0, f"model with {need}")
+    assert len(calls) <= 2 * max(1, limit).bit_length() + 1 and len(set(calls)) == len(calls)

@@ -137,7 +137,7 @@ class LayerReport:
             ax.axvline(at, color="#c33", linewidth=1, label=f"first divergence ({self.first_divergence.cause})")
         ax.set_yscale("log")
         ax.set_xlabel("tensor, in the file's topological order")
-        ax.set_ylabel("max error (quantization steps)")
+        ax.set_ylabel("max error, quantization steps\n(exact drawn at 0.001)")
         ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
         handle, scratch = tempfile.mkstemp(suffix=".png", dir=target.parent if str(target.parent) else ".")
@@ -362,11 +362,13 @@ def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
 
 
 def _metrics(got: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:
-    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    """(max abs difference, cosine, elements that differ), in float32 like the tensors themselves."""
+    got = np.asarray(got, np.float32).ravel()
+    ref = np.asarray(ref, np.float32).ravel()
     diff = np.abs(got - ref)
-    denom = float(np.linalg.norm(got) * np.linalg.norm(ref))
-    cosine = float(np.dot(got.ravel(), ref.ravel()) / denom) if denom else float(np.array_equal(got, ref))
-    return float(diff.max()) if diff.size else 0.0, cosine, int(np.count_nonzero(diff))
+    norms = float(np.sqrt(np.dot(got, got)) * np.sqrt(np.dot(ref, ref)))
+    cosine = float(np.dot(got, ref)) / norms if norms else float(np.array_equal(got, ref))
+    return float(diff.max()) if diff.size else 0.0, min(cosine, 1.0), int(np.count_nonzero(diff))
 
 
 def _dequantize(q: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
@@ -420,7 +422,8 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
     ref = _run_torch(model, torch_anchors, batches)
 
     def joined(runs: list[dict], key: str, part: int | None = None) -> np.ndarray:
-        return np.concatenate([np.asarray(r[key] if part is None else r[key][part]) for r in runs])
+        parts = [np.asarray(r[key] if part is None else r[key][part]) for r in runs]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     file_shapes = {a.q_node.output[0]: tuple(np.shape(got[0][a.q_node.output[0]])[1:]) for a in file_anchors}
     torch_shapes = {t.node.name: tuple(np.shape(ref[0][t.node.name][1])[1:]) for t in torch_anchors}

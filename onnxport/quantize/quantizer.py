@@ -80,6 +80,23 @@ class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
         pass
 
 
+def _release_device_caches() -> None:
+    """Forget the models torchao's (and torch.ao's) unbounded device memo holds.
+
+    ``_assert_and_get_unique_device`` is an ``lru_cache(maxsize=None)`` keyed by the module, so
+    every graph that prepare/convert sees stays alive for the life of the process: about 150 MB
+    per ResNet-50 quantization, which a sensitivity search repeats once per layer (the first
+    ResNet-50 search ran out of 24 GB). It is only a memo; clearing it is safe.
+    """
+    import torch.ao.quantization.fx.utils as fx_utils
+    import torchao.utils as ao_utils
+
+    for memo in (getattr(ao_utils, "_assert_and_get_unique_device", None),
+                 getattr(fx_utils, "assert_and_get_unique_device", None)):
+        if hasattr(memo, "cache_clear"):
+            memo.cache_clear()
+
+
 def _model_device_check(model: torch.nn.Module) -> None:
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if tensor.device.type != "cpu":
@@ -307,6 +324,7 @@ class Quantizer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             converted = convert_pt2e(prepared)
+        _release_device_caches()
         return _finish_pt2e(converted, self.spec())
 
     @staticmethod
@@ -362,6 +380,7 @@ class Quantizer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             converted = convert_pt2e(prepared)
+        _release_device_caches()
         return _finish_pt2e(converted, spec)
 
     # -- torchao -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ in float, one more at a time, until the quantized model meets the budget.
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class _Trials:
         trial.float_layers = [*self.quantizer.float_layers, *float_layers]
         start = time.perf_counter()
         quantized = trial._quantize_captured(copy.deepcopy(self.captured), self.batches, self.dynamic_batch)
+        gc.collect()  # the graphs of the last trial hold each other in cycles: free them now, not later
         self.seconds += time.perf_counter() - start
         self.count += 1
         return quantized
@@ -167,12 +169,14 @@ def quantize_within_budget(
     metric: str = "cosine",
     quantizer: Any = None,
     max_float_layers: int | None = None,
+    ranking: Sequence[tuple[str, float]] | None = None,
     dynamic_batch: bool = True,
 ) -> BudgetResult:
     """Quantize ``model``, keeping the fewest, most sensitive layers in float to meet ``budget``.
 
-    Layers are ranked by :func:`sensitivity`; then the top one, two, … are kept in float until
-    the metric against the float model reaches ``budget``. The returned model records them in its
+    Layers are ranked by :func:`sensitivity` (one trial per layer); then the fewest top-ranked
+    layers that meet ``budget`` are found by doubling their number and then halving the gap
+    (about 2·log2(k) trials for k float layers). The returned model records them in its
     ``QuantSpec.float_layers``.
 
     Args:
@@ -185,6 +189,8 @@ def quantize_within_budget(
         quantizer: the settings to quantize with (default ``Quantizer()``); with a ``target``
             the result's ONNX Runtime latency against FP32 is measured too.
         max_float_layers: the most layers it may keep in float (default: all of them).
+        ranking: a :func:`sensitivity` result for the same model, data and quantizer, to skip
+            ranking again (one trial per layer) when several budgets are tried.
 
     Raises:
         InvalidArgumentError: when even the largest allowed set of float layers misses the budget.
@@ -197,30 +203,61 @@ def quantize_within_budget(
         raise InvalidArgumentError(f"budget must be a number in (0, 1] (a cosine or a top-1 agreement), not {budget!r}.")
     trials = _Trials(model, quantizer or Quantizer(), calibration_data, eval_data, metric, dynamic_batch)
     full, quantized = trials.measure([])
-    ranking: list[tuple[str, float]] = []
+    ranked: list[tuple[str, float]] = list(ranking) if ranking is not None else []
     chosen: list[str] = []
     value = full
     if full < budget:
-        names = trials.layers()
-        baseline = full
-        for name in tqdm(names, desc="sensitivity", unit="layer", leave=False, disable=None):
-            ranking.append((name, trials.measure([name])[0] - baseline))
-        ranking.sort(key=lambda item: -item[1])
-        limit = len(ranking) if max_float_layers is None else min(max_float_layers, len(ranking))
-        for k in range(1, limit + 1):
-            chosen = [name for name, _ in ranking[:k]]
-            value, quantized = trials.measure(chosen)
-            if value >= budget:
-                break
+        if ranking is None:
+            for name in tqdm(trials.layers(), desc="sensitivity", unit="layer", leave=False, disable=None):
+                ranked.append((name, trials.measure([name])[0] - full))
+        ranked.sort(key=lambda item: -item[1])
+        limit = len(ranked) if max_float_layers is None else min(max_float_layers, len(ranked))
+        found = _fewest(lambda k: trials.measure([name for name, _ in ranked[:k]]), limit, budget)
+        if found is not None:
+            k, value, quantized = found
+            chosen = [name for name, _ in ranked[:k]]
         else:
+            value = trials.measure([name for name, _ in ranked[:limit]])[0] if limit else full
             raise InvalidArgumentError(
                 f"No set of float layers meets the budget: with the {limit} most sensitive layer(s) in float, "
                 f"{metric} is {value:.6f} against the budget {budget} (fully quantized: {full:.6f}). Lower the "
                 f"budget, allow more float layers (max_float_layers), or calibrate with more representative data."
             )
     latency = _latency(model, quantized, trials) if trials.quantizer.target is not None else None
-    return BudgetResult(quantized, tuple(chosen), metric, value, float(budget), full, tuple(ranking),
+    return BudgetResult(quantized, tuple(chosen), metric, value, float(budget), full, tuple(ranked),
                         trials.count, trials.seconds, latency)
+
+
+def _fewest(measure: Any, limit: int, budget: float) -> tuple[int, float, Any] | None:
+    """The smallest k in 1..limit whose top-k float layers meet ``budget``: doubling k until one
+    does, then halving the gap (about 2·log2(k) trials instead of k; the metric is taken to grow
+    with k, and the k returned is always one that was measured to meet the budget)."""
+    seen: dict[int, tuple[float, Any]] = {}
+
+    def meets(k: int) -> bool:
+        if k not in seen:
+            value, model = measure(k)
+            # only the smallest k that meets the budget keeps its model: each is a whole network
+            if value < budget or any(j < k and seen[j][0] >= budget for j in seen):
+                model = None
+            else:
+                for j in [j for j in seen if j > k]:
+                    seen[j] = (seen[j][0], None)
+            seen[k] = (value, model)
+        return seen[k][0] >= budget
+
+    low, high = 0, 1  # low: known to miss (0 = fully quantized), high: the next to try
+    while high < limit and not meets(high):
+        low, high = high, min(limit, high * 2)
+    if not meets(high):
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    return high, *seen[high]
 
 
 def _latency(model: torch.nn.Module, quantized: Any, trials: _Trials) -> dict[str, float]:
