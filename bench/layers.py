@@ -80,12 +80,15 @@ def _case(name: str, model: nn.Module, calibration: list, sample: torch.Tensor, 
         path = Path(scratch) / f"{name}.onnx"
         export_qdq(quantized, sample, path, dynamic_batch=True)
         compare_qdq(quantized, path, sample)  # warm both paths' imports and caches
-        start = time.perf_counter()
-        compare_qdq(quantized, path, sample)
-        plain_s = time.perf_counter() - start
-        start = time.perf_counter()
         report = compare_layers(quantized, path, sample)
-        layers_s = time.perf_counter() - start
+        plain_s = layers_s = float("inf")
+        for _ in range(3):  # best of three, alternating, so both see the same machine
+            start = time.perf_counter()
+            compare_qdq(quantized, path, sample)
+            plain_s = min(plain_s, time.perf_counter() - start)
+            start = time.perf_counter()
+            report = compare_layers(quantized, path, sample)
+            layers_s = min(layers_s, time.perf_counter() - start)
     start = time.perf_counter()
     ranking = sensitivity(model, calibration, [sample])
     sensitivity_s = time.perf_counter() - start
@@ -96,12 +99,16 @@ def _case(name: str, model: nn.Module, calibration: list, sample: torch.Tensor, 
     # a budget just above what full INT8 reaches, so the search has to keep layers float
     from onnxport.quantize.sensitivity import _outputs, score
 
-    reached = score(_outputs(model, [(sample,)]), _outputs(quantized, [(sample,)]), "cosine")
-    budget = min(0.999999, reached + budget_margin * (1 - reached))
+    reference = _outputs(model, [(sample,)])
+    reached = score(reference, _outputs(quantized, [(sample,)]), "cosine")
+    # the best any set of float layers can do: every ranked layer float (inputs, adds, pools stay INT8)
+    ceiling = score(reference, _outputs(Quantizer(float_layers=[n for n, _ in ranking]).quantize(model, calibration),
+                                        [(sample,)]), "cosine")
+    budget = reached + budget_margin * (ceiling - reached)
     try:
         result = quantize_within_budget(model, calibration, [sample], budget=budget, ranking=ranking)
         budget_row = {"budget": budget, "float_layers": list(result.float_layers), "trials": result.trials,
-                      "value": result.value, "fully_quantized": result.fully_quantized_value}
+                      "value": result.value, "fully_quantized": result.fully_quantized_value, "ceiling": ceiling}
     except Exception as error:  # noqa: BLE001 - a refusal is a result here
         budget_row = {"budget": budget, "refused": str(error)[:200]}
     budget_row["seconds"] = time.perf_counter() - start

@@ -96,3 +96,12 @@ def test_the_fewest_float_layers_are_found_in_logarithmic_trials(need, limit):
     else:
         assert found == (need, 1.0, f"model with {need}")
     assert len(calls) <= 2 * max(1, limit).bit_length() + 1 and len(set(calls)) == len(calls)
+
+
+def test_with_a_target_the_result_reports_its_onnx_runtime_latency(spoiled):
+    model, calibration, evaluation = spoiled
+    result = quantize_within_budget(model, calibration, evaluation, budget=0.5, quantizer=Quantizer(target="onnxruntime"))
+    assert result.float_layers == () and result.trials == 1  # fully quantized already meets this budget
+    assert result.latency["ms"] > 0 and result.latency["fp32_ms"] > 0
+    assert result.latency["speedup_vs_fp32"] == pytest.approx(result.latency["fp32_ms"] / result.latency["ms"])
+    assert "ONNX Runtime:" in str(result)
