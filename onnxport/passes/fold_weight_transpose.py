@@ -16,16 +16,9 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from .._graph import unique_name
+
 _DEFAULT = ("", "ai.onnx")
-
-
-def _unique(base: str, taken: set[str]) -> str:
-    name, index = base, 0
-    while name in taken:
-        index += 1
-        name = f"{base}_{index}"
-    taken.add(name)
-    return name
 
 
 class FoldWeightTransposePass(ir.passes.InPlacePass):
@@ -52,17 +45,17 @@ class FoldWeightTransposePass(ir.passes.InPlacePass):
             perm = list(perm_attr.as_ints()) if perm_attr is not None else list(range(values.ndim))[::-1]
             axis_attr = dq.attributes.get("axis")
             axis = (axis_attr.as_int() if axis_attr is not None else 1) % values.ndim
-            moved = ir.Value(name=_unique(f"{weight.name}_transposed", taken),
+            moved = ir.Value(name=unique_name(f"{weight.name}_transposed", taken),
                              const_value=ir.tensor(np.ascontiguousarray(values.transpose(perm))))
             graph = node.graph
             graph.register_initializer(moved)
             attributes = {"axis": perm.index(axis)} if scale.const_value.size > 1 else {}
             folded = ir.node("DequantizeLinear", [moved, *dq.inputs[1:]], attributes,
-                             name=_unique(f"{node.name or moved.name}_dq", taken))
+                             name=unique_name(f"{node.name or moved.name}_dq", taken))
             graph.insert_before(node, folded)
             node.outputs[0].replace_all_uses_with(folded.outputs[0])
             folded.outputs[0].name = node.outputs[0].name  # the value keeps its name for readers' sake
-            node.outputs[0].name = _unique(f"{node.outputs[0].name}_unfolded", taken)
+            node.outputs[0].name = unique_name(f"{node.outputs[0].name}_unfolded", taken)
             modified = True
         if modified:
             RemoveUnusedNodesPass()(model)  # the old Transpose, DQ and weight, wherever nothing reads them

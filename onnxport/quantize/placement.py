@@ -153,6 +153,18 @@ def quantized_layers(model: GraphModule) -> list[str]:
     return layers
 
 
+def _unobserve_output(node: Node, dead: set[object]) -> int:
+    """Drop the readers' input specs on ``node`` and mark it and its edges dead; specs dropped."""
+    dropped = 0
+    dead.add(node)
+    for user in node.users:
+        annotation = annotation_of(user)
+        if annotation is not None and annotation.input_qspec_map.pop(node, None) is not None:
+            dropped += 1
+        dead.add((node, user))
+    return dropped
+
+
 def skip_layers(model: GraphModule, names: list[str]) -> dict[str, int]:
     """Leave the named modules entirely in float: their weights, what they read of their own and
     what they hand on (no observer on their outputs, nor on the edges reading them)."""
@@ -168,12 +180,7 @@ def skip_layers(model: GraphModule, names: list[str]) -> dict[str, int]:
                     dead.add((arg, node))
                 annotation.input_qspec_map.clear()
                 annotation.output_qspec = None
-            dead.add(node)
-            for user in node.users:
-                user_annotation = annotation_of(user)
-                if user_annotation is not None and user_annotation.input_qspec_map.pop(node, None) is not None:
-                    count += 1
-                dead.add((node, user))
+            count += _unobserve_output(node, dead)
         edits[name] = count
     _sweep_shared(model, dead)
     return edits
@@ -207,12 +214,7 @@ def skip_activations(model: GraphModule, names: list[str]) -> dict[str, int]:
             if own is not None and own.output_qspec is not None:
                 own.output_qspec = None
                 count += 1
-            dead.add(node)
-            for user in node.users:
-                user_annotation = annotation_of(user)
-                if user_annotation is not None and user_annotation.input_qspec_map.pop(node, None) is not None:
-                    count += 1
-                dead.add((node, user))
+            count += _unobserve_output(node, dead)
         edits[name] = count
     _sweep_shared(model, dead)
     return edits

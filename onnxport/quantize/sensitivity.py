@@ -83,6 +83,14 @@ class _Trials:
         quantized = self.quantize(float_layers)
         return score(self.reference, _outputs(quantized, self.eval), self.metric), quantized
 
+    def rank(self, names: Sequence[str], baseline: float) -> list[tuple[str, float]]:
+        """``(layer, gain)`` for each layer alone in float, most sensitive first (a trial each)."""
+        from tqdm.auto import tqdm
+
+        gains = [(name, self.measure([name])[0] - baseline)
+                 for name in tqdm(names, desc="sensitivity", unit="layer", leave=False, disable=None)]
+        return sorted(gains, key=lambda item: -item[1])
+
     def layers(self) -> list[str]:
         from .placement import quantized_layers
         from .quantizer import _OnnxportPT2EQuantizer  # noqa: F401 - the annotation lives there
@@ -118,8 +126,6 @@ def sensitivity(
         ``[(layer, gain)]``, most sensitive first: ``gain`` is the metric with the layer in float
         minus the metric of the fully quantized model.
     """
-    from tqdm.auto import tqdm
-
     from .quantizer import Quantizer
 
     trials = _Trials(model, quantizer or Quantizer(), calibration_data, eval_data, metric, dynamic_batch)
@@ -127,11 +133,7 @@ def sensitivity(
     if not names:
         raise InvalidArgumentError("the quantizer quantizes no layer with weights in this model: nothing to rank.")
     baseline, _ = trials.measure([])
-    gains = []
-    for name in tqdm(names, desc="sensitivity", unit="layer", leave=False, disable=None):
-        value, _ = trials.measure([name])
-        gains.append((name, value - baseline))
-    return sorted(gains, key=lambda item: -item[1])
+    return trials.rank(names, baseline)
 
 
 @dataclass(frozen=True)
@@ -195,8 +197,6 @@ def quantize_within_budget(
     Raises:
         InvalidArgumentError: when even the largest allowed set of float layers misses the budget.
     """
-    from tqdm.auto import tqdm
-
     from .quantizer import Quantizer
 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
@@ -207,10 +207,7 @@ def quantize_within_budget(
     chosen: list[str] = []
     value = full
     if full < budget:
-        if ranking is None:
-            for name in tqdm(trials.layers(), desc="sensitivity", unit="layer", leave=False, disable=None):
-                ranked.append((name, trials.measure([name])[0] - full))
-        ranked.sort(key=lambda item: -item[1])
+        ranked = trials.rank(trials.layers(), full) if ranking is None else sorted(ranked, key=lambda item: -item[1])
         limit = len(ranked) if max_float_layers is None else min(max_float_layers, len(ranked))
         found = _fewest(lambda k: trials.measure([name for name, _ in ranked[:k]]), limit, budget)
         if found is not None:
