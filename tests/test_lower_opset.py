@@ -63,13 +63,14 @@ def test_computed_axes_are_refused_naming_the_node():
 
 
 def test_operator_with_newer_form_is_refused():
-    node = helper.make_node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2, name="split0")
+    node = helper.make_node("ScatterElements", ["x", "i", "u"], ["y"], axis=0, reduction="max", name="scatter0")
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2]), helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(np.array([1], np.int64), "i"), numpy_helper.from_array(np.array([5.0], np.float32), "u")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    with pytest.raises(ExportRefusedError, match="Split node 'split0'.*opset 18"):
+    with pytest.raises(ExportRefusedError, match="ScatterElements node 'scatter0'.*opset 18"):
         lower_opset(model, 17)
 
 
@@ -84,3 +85,59 @@ def test_operator_missing_before_its_opset_is_refused():
     assert lower_opset(model, 17).opset_import[0].version == 17
     with pytest.raises(ExportRefusedError, match="LayerNormalization node 'ln' has no definition before opset 17"):
         lower_opset(model, 16)
+
+
+def _split_graph(length, parts: int = 3) -> onnx.ModelProto:
+    outputs = [f"y{i}" for i in range(parts)]
+    graph = helper.make_graph(
+        [helper.make_node("Split", ["x"], outputs, axis=-1, num_outputs=parts)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, length])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["N", 5, None]) for o in outputs],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("length, sizes", [(24, [8, 8, 8]), (25, [9, 9, 7])])
+def test_split_num_outputs_becomes_explicit_sizes_when_the_dimension_is_known(length, sizes):
+    import onnxruntime as ort
+
+    model = _split_graph(length)
+    lowered = lower_opset(model, 17)
+    node = lowered.graph.node[0]
+    assert not any(a.name == "num_outputs" for a in node.attribute)
+    stored = next(t for t in lowered.graph.initializer if t.name == node.input[1])
+    assert numpy_helper.to_array(stored).tolist() == sizes
+    onnx.checker.check_model(lowered, full_check=True)
+    x = np.random.default_rng(0).standard_normal((2, 5, length)).astype(np.float32)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    runs = [ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+            for m in (model, lowered)]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(*runs))
+
+
+def test_split_along_a_dimension_known_only_at_run_time_is_refused_by_name():
+    with pytest.raises(ExportRefusedError, match="Split node .* only known while the graph runs"):
+        lower_opset(_split_graph("L"), 17)
+
+
+def test_export_onnx_of_a_model_that_splits_evenly_works_at_the_default_opset(tmp_path):
+    """GPT-2's attention splits its fused projection with tensor.split(size): opset 18's num_outputs."""
+    import torch
+
+    from onnxport import export_onnx, verify_onnx
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).split(8, dim=2)
+            return q * k + v
+
+    model, x = Fused().eval(), torch.randn(2, 5, 8)
+    path = export_onnx(model, x, tmp_path / "split.onnx")
+    exported = onnx.load(str(path))
+    assert next(e.version for e in exported.opset_import if e.domain in ("", "ai.onnx")) == 17
+    assert verify_onnx(model, path, x)

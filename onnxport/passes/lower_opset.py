@@ -2,17 +2,19 @@
 
 ``torch.onnx.export(dynamo=True)`` writes opset 18 at the least. Between 17 and 18 the Reduce
 family moved ``axes`` from an attribute to an input, and a few operators gained options. This
-pass moves constant ``axes`` back to the attribute, accepts the other operators when they use
-none of the newer options, and refuses anything else with a message naming the node.
+pass moves constant ``axes`` back to the attribute, writes a Split's ``num_outputs`` as explicit
+sizes when the split dimension is known, accepts the other operators when they use none of the
+newer options, and refuses anything else with a message naming the node.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnx.defs
 from onnx import numpy_helper
 
-from .._graph import walk_graphs
+from .._graph import all_names, unique_name, walk_graphs
 from ..errors import ExportRefusedError
 
 _REDUCE_OPS = {
@@ -48,8 +50,11 @@ def _describe(node: onnx.NodeProto) -> str:
 
 class _Lowering:
     def __init__(self, model: onnx.ModelProto, target: int, current: int) -> None:
+        self.model = model
         self.target = target
         self.current = current
+        self._dims: dict[str, list[int | None]] | None = None
+        self.taken = all_names(model)
         self.constants: dict[str, onnx.TensorProto] = {t.name: t for t in model.graph.initializer}
         for node in model.graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
@@ -81,6 +86,43 @@ class _Lowering:
             raise self.refuse(node, "reduces nothing (noop_with_empty_axes=1), which the older opset cannot say")
         _drop_attr(node, "noop_with_empty_axes")
 
+    def dims(self, name: str) -> list[int | None] | None:
+        """The shape of a value as shape inference knows it (None where a dim is symbolic)."""
+        if self._dims is None:
+            try:
+                inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False).graph
+            except Exception:  # noqa: BLE001 - inference only helps; without it Split stays refused
+                inferred = self.model.graph
+            self._dims = {}
+            for value in [*inferred.input, *inferred.value_info, *inferred.output]:
+                shape = value.type.tensor_type.shape
+                if value.type.tensor_type.HasField("shape"):
+                    self._dims[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in shape.dim]
+            for tensor in self.model.graph.initializer:
+                self._dims[tensor.name] = list(tensor.dims)
+        return self._dims.get(name)
+
+    def split(self, node: onnx.NodeProto) -> None:
+        """``num_outputs`` (opset 18) back to explicit sizes, when the split dimension is known."""
+        parts = _attr(node, "num_outputs")
+        if parts is None:
+            return
+        shape = self.dims(node.input[0])
+        axis = _attr(node, "axis") or 0
+        length = shape[axis] if shape is not None and -len(shape) <= axis < len(shape) else None
+        if length is None:
+            raise self.refuse(node, "splits into num_outputs chunks along a dimension whose size is only known "
+                                    "while the graph runs, which the older opset cannot say")
+        chunk = -(-length // parts)  # opset 18: equal chunks, the last one smaller
+        sizes = [chunk] * (parts - 1) + [length - chunk * (parts - 1)]
+        if sizes[-1] <= 0:
+            raise self.refuse(node, f"splits {length} elements into {parts} chunks, leaving an empty one")
+        name = unique_name(f"{node.name or node.output[0]}_split_sizes", self.taken)
+        self.model.graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), name))
+        del node.input[1:]
+        node.input.append(name)
+        _drop_attr(node, "num_outputs")
+
     def lower_node(self, node: onnx.NodeProto) -> None:
         if node.domain not in ("", "ai.onnx"):
             return
@@ -100,8 +142,8 @@ class _Lowering:
         ) and (_attr(node, "keep_aspect_ratio_policy") in (None, b"stretch", "stretch")):
             _drop_attr(node, "keep_aspect_ratio_policy")
             _drop_attr(node, "antialias")
-        elif op == "Split" and older.since_version >= 13 and _attr(node, "num_outputs") is None:
-            pass
+        elif op == "Split" and older.since_version >= 13:
+            self.split(node)
         elif op in ("ScatterElements", "ScatterND") and older.since_version >= 16 and _attr(
             node, "reduction"
         ) not in (b"max", b"min", "max", "min"):
