@@ -379,8 +379,14 @@ class _Untraceable(nn.Module):
 
 
 def test_uncapturable_model_names_torch_export():
-    with pytest.raises(ExportRefusedError, match="torch.export"):
+    with pytest.raises(ExportRefusedError, match="torch.export.*control flow"):
         Quantizer().quantize(_Untraceable(), [torch.randn(2, 4)])
+
+
+def test_a_model_failing_on_its_inputs_is_told_about_the_inputs_not_control_flow():
+    with pytest.raises(ExportRefusedError, match=r"indices.*calibration inputs \(\(2, 16\):float32\)") as caught:
+        Quantizer().quantize(TinyTransformer().eval(), [torch.randn(2, 16)])  # float where token ids belong
+    assert "control flow" not in str(caught.value)
 
 
 def test_non_cpu_model_is_refused():

@@ -120,11 +120,17 @@ def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_b
             exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
-        extra = " (or pass dynamic_batch=False if the model fixes its batch size)" if dynamic_batch else ""
+        text = f"{type(error).__name__} {error}".lower()
+        if any(k in text for k in ("data-dependent", "datadependent", "control flow", "could not guard", "constraint")):
+            extra = " (or pass dynamic_batch=False if the model fixes its batch size)" if dynamic_batch else ""
+            advice = f"Remove data-dependent Python control flow from forward{extra}."
+        else:  # the model itself failed on these inputs: the advice is about the inputs, not the tracer
+            shapes = ", ".join(f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for t in inputs)
+            advice = (f"The model failed on the calibration inputs ({shapes}): check that each batch has the dtype "
+                      f"and shape forward expects.")
         raise ExportRefusedError(
             f"pt2e quantization needs a model that torch.export can capture as one graph; "
-            f"torch.export failed with {type(error).__name__}: {first}. Remove data-dependent Python "
-            f"control flow from forward{extra}."
+            f"torch.export failed with {type(error).__name__}: {first}. {advice}"
         ) from error
     # check_guards=False: the guard submodule is unpicklable, and our batch is free anyway.
     return exported.module(check_guards=False)
