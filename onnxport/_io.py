@@ -26,6 +26,37 @@ PROTOBUF_LIMIT = 2**31 - 1
 _EXTERNAL_SIZE_THRESHOLD = 1024  # tensors smaller than this stay inside the .onnx file
 
 
+def read_onnx(path: str | os.PathLike, argument: str = "model", *, load_external_data: bool = False) -> onnx.ModelProto:
+    """Load an ONNX file a user named, or raise a named error: missing, a directory, unreadable,
+    empty, truncated or corrupt, not a model, no graph, no opset."""
+    from google.protobuf.message import DecodeError
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"{argument} must be a path to an .onnx file, not {type(path).__name__}.")
+    file = Path(path)
+    if file.is_dir():
+        raise InvalidArgumentError(f"{argument} '{file}' is a directory; give the .onnx file inside it.")
+    if not file.is_file():
+        raise InvalidArgumentError(f"{argument} '{file}' does not exist.")
+    if not os.access(file, os.R_OK):
+        raise InvalidArgumentError(f"{argument} '{file}' cannot be read (permission denied).")
+    if file.stat().st_size == 0:
+        raise InvalidArgumentError(f"{argument} '{file}' is empty: it holds no ONNX model.")
+    try:
+        model = onnx.load_model(str(file), load_external_data=load_external_data)
+    except (DecodeError, ValueError, RuntimeError) as error:
+        raise InvalidArgumentError(
+            f"{argument} '{file}' is not a readable ONNX model (truncated or not ONNX?): {str(error).splitlines()[0]}"
+        ) from None
+    except OSError as error:
+        raise InvalidArgumentError(f"{argument} '{file}' could not be read: {error.strerror or error}.") from None
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise InvalidArgumentError(f"{argument} '{file}' parses, but holds no graph: it is not an ONNX model.")
+    if not any(e.domain in ("", "ai.onnx") for e in model.opset_import):
+        raise InvalidArgumentError(f"{argument} '{file}' declares no default-domain opset, so no runtime can read it.")
+    return model
+
+
 def check_output_path(output_path: str | os.PathLike, argument: str = "output_path") -> Path:
     """Validate an output path before any work: a ``.onnx`` file in a writable directory."""
     if not isinstance(output_path, (str, os.PathLike)):

@@ -1,7 +1,7 @@
 """The ``onnxport`` command line.
 
-Exit codes: 0 success, 2 bad usage (arguments the command cannot act on), 1 refusal (onnxport
-declined to write a file that would break a promise). Messages go to stderr, without a traceback
+Exit codes: 0 success, 2 bad usage (arguments or input files the command cannot act on), 1
+refusal (onnxport declined to write a file that would break a promise). Messages go to stderr, without a traceback
 unless ``--debug`` is given.
 """
 
@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import OnnxportError
+from .errors import InvalidArgumentError, OnnxportError
 
 
 class UsageError(Exception):
@@ -165,8 +165,6 @@ def cmd_encodings(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from . import qdq_report
 
-    if not Path(args.file).is_file():
-        raise UsageError(f"FILE '{args.file}' does not exist.")
     report = qdq_report(args.file, ort=not args.no_ort)
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else str(report))
     return 0
@@ -188,8 +186,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_debug(args: argparse.Namespace) -> int:
     from .qdq.layers import compare_layers
 
-    if not Path(args.file).is_file():
-        raise UsageError(f"FILE '{args.file}' does not exist.")
     for option, path in (("--json", args.json), ("--png", args.png)):
         if path is not None and not (Path(path).parent if str(Path(path).parent) else Path(".")).is_dir():
             raise UsageError(f"{option} '{path}': its directory does not exist.")
@@ -308,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UsageError as error:
+        if args.debug:
+            raise
+        print(f"onnxport {args.command}: {error}", file=sys.stderr)
+        return 2
+    except InvalidArgumentError as error:  # an input the command cannot act on: bad usage
         if args.debug:
             raise
         print(f"onnxport {args.command}: {error}", file=sys.stderr)

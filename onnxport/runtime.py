@@ -86,11 +86,18 @@ class ONNXModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise InvalidArgumentError(f"path '{self.path}' is not an ONNX file that exists.")
+
         chosen, options, index = _providers_for(device)
         self.device = "cpu" if index is None else f"cuda:{index}"
         if providers is None:
             providers = [(chosen[0], options)] if options else chosen
-        self.session = make_session(self.path, providers=providers, session_options=session_options)
+        try:
+            self.session = make_session(self.path, providers=providers, session_options=session_options)
+        except Exception:
+            from ._io import read_onnx
+
+            read_onnx(self.path, "path")  # a named error when the file is empty, truncated or not ONNX
+            raise
         self._inputs = self.session.get_inputs()
         self._outputs = self.session.get_outputs()
 

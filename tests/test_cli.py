@@ -18,7 +18,7 @@ def onnxport(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "onnxport", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
-@pytest.mark.parametrize("command", ["demo", "export", "qdq", "encodings", "stats", "verify", "bench"])
+@pytest.mark.parametrize("command", ["demo", "export", "qdq", "encodings", "stats", "verify", "debug", "bench"])
 def test_every_command_has_help(command):
     result = onnxport(command, "--help")
     assert result.returncode == 0 and "usage: onnxport" in result.stdout
@@ -114,3 +114,43 @@ def test_export_from_a_saved_torch_export_program(tmp_path):
     result = onnxport("export", str(tmp_path / "tiny.pt2"), "--input-shape", "2,3,8,8", "-o", str(out), "--static-batch")
     assert result.returncode == 0, result.stderr
     onnx.checker.check_model(str(out))
+
+
+def _bad_files(folder):
+    """Every kind of broken ONNX input a user hands the CLI."""
+    good = folder / "good.onnx"
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])]))
+    onnx.save(model, str(good))
+    (folder / "corrupt.onnx").write_bytes(b"\x07this is not protobuf")
+    (folder / "empty.onnx").write_bytes(b"")
+    (folder / "truncated.onnx").write_bytes(good.read_bytes()[:20])
+    (folder / "folder.onnx").mkdir()
+    (folder / "notes.onnx").write_text("hello: this is a text file\n")
+    return {"corrupt": "not a readable ONNX model", "empty": "is empty", "truncated": "not a readable ONNX model",
+            "folder": "is a directory", "missing": "does not exist", "notes": "ONNX"}
+
+
+@pytest.mark.parametrize("command", ["stats", "encodings"])
+def test_every_broken_input_file_is_a_named_usage_error_without_traceback(tmp_path, command):
+    expected = _bad_files(tmp_path)
+    encodings = tmp_path / "e.encodings"
+    encodings.write_text('{"version": "2.0.0", "encodings": []}')
+    for kind, message in expected.items():
+        path = str(tmp_path / f"{kind}.onnx")
+        args = ["stats", path] if command == "stats" else ["encodings", path, str(encodings), "-o", str(tmp_path / "out.onnx")]
+        result = onnxport(*args)
+        assert result.returncode == 2, (kind, result.stderr)
+        assert "Traceback" not in result.stderr and message in result.stderr and path in result.stderr, (kind, result.stderr)
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_debug_and_verify_name_a_broken_file_too(tmp_path):
+    _bad_files(tmp_path)
+    for args in (["debug", "unused.pt2", str(tmp_path / "truncated.onnx"), "--input-shape", "1,4", "--optimized"],
+                 ["verify", "tests.cli_models:tiny", str(tmp_path / "empty.onnx"), "--input-shape", "1,3,8,8"]):
+        result = onnxport(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "truncated.onnx" in result.stderr or "empty.onnx" in result.stderr

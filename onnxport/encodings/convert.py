@@ -12,12 +12,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 from tqdm.auto import tqdm
 
 from .._graph import all_names, tensor_value, unique_name, walk_graphs
-from .._io import ScratchTensors, check_external_data, external_source
+from .._io import ScratchTensors, check_external_data, external_source, read_onnx
 from ..errors import InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
@@ -55,13 +54,8 @@ def _load_model(model: Any) -> tuple[onnx.ModelProto, Path | None]:
         return copy, Path(base) if base else None
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
-        if not path.is_file():
-            raise InvalidArgumentError(f"model '{path}' is not an ONNX file that exists.")
         # Weights in external data stay on disk: only their names and shapes are needed.
-        try:
-            loaded = onnx.load_model(str(path), load_external_data=False)
-        except (DecodeError, OSError, ValueError) as error:  # not an ONNX file
-            raise InvalidArgumentError(f"model '{path}' could not be read as an ONNX file: {error}") from None
+        loaded = read_onnx(path, "model")
         check_external_data(loaded, path.parent)  # a truncated .data file fails here, before any work
         return loaded, path.parent
     raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path to an .onnx file, not {type(model).__name__}.")

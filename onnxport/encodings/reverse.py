@@ -36,7 +36,9 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
     base = None
     if isinstance(model, (str, os.PathLike)):
         base = os.path.dirname(os.fspath(model))
-        model = onnx.load_model(os.fspath(model), load_external_data=False)
+        from .._io import read_onnx
+
+        model = read_onnx(model, "model")
     if not isinstance(model, onnx.ModelProto):
         raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}.")
     consts = all_constants(model)

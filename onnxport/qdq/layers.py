@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 
 from .._graph import DEFAULT_DOMAINS, all_constants, producers, tensor_value
 from ..errors import InvalidArgumentError
@@ -395,13 +394,9 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
     """
     from .verify import _split
 
-    path = Path(onnx_path)
-    if not path.is_file():
-        raise InvalidArgumentError(f"onnx_path '{onnx_path}' is not a file; give the .onnx file to compare.")
-    try:
-        file_model = onnx.load_model(str(path))  # with its weights: the probe copy runs from memory
-    except (DecodeError, OSError, ValueError) as error:
-        raise InvalidArgumentError(f"onnx_path '{onnx_path}' could not be read as an ONNX file: {error}") from None
+    from .._io import read_onnx
+
+    file_model = read_onnx(onnx_path, "onnx_path", load_external_data=True)  # the probe copy runs from memory
     base = None
     batches = _split(sample, n_batches)
     if optimized:

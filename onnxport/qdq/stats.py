@@ -50,10 +50,9 @@ class QDQStats:
 def _load(onnx_path: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
     if isinstance(onnx_path, onnx.ModelProto):
         return onnx_path, None
-    if not isinstance(onnx_path, (str, os.PathLike)) or not Path(onnx_path).is_file():
-        raise InvalidArgumentError(f"onnx_path must name an existing ONNX file, not {onnx_path!r}.")
-    path = Path(onnx_path)
-    return onnx.load_model(str(path), load_external_data=False), path.parent
+    from .._io import read_onnx
+
+    return read_onnx(onnx_path, "onnx_path"), Path(onnx_path).parent
 
 
 def _name(node: onnx.NodeProto) -> str:

@@ -50,7 +50,9 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     if isinstance(onnx_path, onnx.ModelProto):
         model, base = onnx_path, None
     else:
-        model, base = onnx.load_model(str(onnx_path), load_external_data=False), Path(onnx_path).parent
+        from .._io import read_onnx
+
+        model, base = read_onnx(onnx_path, "onnx_path"), Path(onnx_path).parent
     consts = all_constants(model)
     opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0)
     problems: list[str] = []
