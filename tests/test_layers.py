@@ -114,10 +114,10 @@ def test_a_transformer_file_follows_its_model(tmp_path):
 
 def test_bad_arguments_are_named(resnet_file, tmp_path):
     quantized, path, x = resnet_file
-    with pytest.raises(InvalidArgumentError, match="is not a file"):
+    with pytest.raises(InvalidArgumentError, match="missing.onnx' does not exist"):
         compare_layers(quantized, tmp_path / "missing.onnx", x)
     (tmp_path / "garbage.onnx").write_bytes(b"\x07not onnx")
-    with pytest.raises(InvalidArgumentError, match="could not be read as an ONNX file"):
+    with pytest.raises(InvalidArgumentError, match="is not a readable ONNX model"):
         compare_layers(quantized, tmp_path / "garbage.onnx", x)
     with pytest.raises(InvalidArgumentError, match="GraphModule"):
         compare_layers(ResNet18(num_classes=10).eval(), path, x)
