@@ -223,7 +223,7 @@ def _cut_at(model: onnx.ModelProto, cuts: dict[str, str]) -> onnx.ModelProto:
         for i, name in enumerate(node.input):
             if name in cuts:
                 node.input[i] = cuts[name]
-    for name, new in cuts.items():
+    for new in cuts.values():
         work.graph.input.append(onnx.ValueInfoProto(name=new))
         work.graph.input[-1].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
     return work

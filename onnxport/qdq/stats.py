@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from .._graph import all_constants, consumers, is_default_domain, producers, tensor_value, walk_graphs
-from ..errors import InvalidArgumentError, OnnxportError
+from ..errors import OnnxportError
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
