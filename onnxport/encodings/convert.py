@@ -175,13 +175,12 @@ def _find_constant(name: str, info: TensorInfo) -> onnx.TensorProto:
     raise InvalidArgumentError(f"'{name}' is not a constant.")
 
 
-def _constant_rows(name: str, info: TensorInfo, base: Path | None) -> RowReader:
+def _constant_rows(tensor: onnx.TensorProto, base: Path | None) -> RowReader:
     """A reader of rows ``[a, b)`` (along axis 0) of a constant, as float32.
 
     A float32 weight in external data is read straight from its file a slice at a time, so a
     weight never needs more than its own size in memory, and the model never needs its total.
     """
-    tensor = _find_constant(name, info)
     if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type == onnx.TensorProto.FLOAT and tensor.dims:
         file, offset, _ = external_source(tensor, base)
         row = int(np.prod(tensor.dims[1:], dtype=np.int64))
@@ -192,10 +191,8 @@ def _constant_rows(name: str, info: TensorInfo, base: Path | None) -> RowReader:
             return values.reshape((b - a, *shape))
 
         return read
-    if tensor.data_location == onnx.TensorProto.EXTERNAL and base is None and not any(
-        e.key == "basepath" for e in tensor.external_data
-    ):
-        raise InvalidArgumentError(f"'{name}' lives in external data whose folder is unknown; pass the model as a path.")
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        external_source(tensor, base)  # a named error when the data's folder is unknown
     values = tensor_value(tensor, base).astype(np.float32, copy=False)
     return lambda a, b: values[a:b] if values.ndim else values
 
@@ -321,9 +318,9 @@ class _Rewriter:
         outputs = {o.name for o in graph.output}
         source = entry.name
         if info.is_constant and (prequantize or entry.dtype == "int32"):
-            shape = tuple(_find_constant(entry.name, info).dims)
-            quantized = quantize_rows(_constant_rows(entry.name, info, self.base), shape, entry, entry.effective_scale())
-            external = _find_constant(entry.name, info).data_location == onnx.TensorProto.EXTERNAL
+            tensor = _find_constant(entry.name, info)
+            quantized = quantize_rows(_constant_rows(tensor, self.base), tuple(tensor.dims), entry, entry.effective_scale())
+            external = tensor.data_location == onnx.TensorProto.EXTERNAL
             stored = self.add_init(graph, f"{entry.name}_q", quantized, replaces_external=external)
             nodes.append(helper.make_node("DequantizeLinear", [stored, scale, zp], [qdq_name],
                                           name=self.name(f"{entry.name}_dq"), doc_string=f"onnxport: encodes {entry.name}", **attrs))

@@ -168,6 +168,14 @@ def _const(name: str, consts: dict[str, onnx.TensorProto], base: str | None) -> 
     return tensor_value(consts[name], base) if name in consts else None
 
 
+def _qparams(node: onnx.NodeProto, consts: dict[str, onnx.TensorProto], base: str | None) -> tuple[np.ndarray | None, int, int]:
+    """(scale, first zero-point, zero-point type) of a Q/DQ node; no zero-point input means uint8 0."""
+    scale = _const(node.input[1], consts, base)
+    has_zp = len(node.input) > 2 and node.input[2] in consts
+    zp = int(np.asarray(_const(node.input[2], consts, base)).reshape(-1)[0]) if has_zp else 0
+    return scale, zp, consts[node.input[2]].data_type if has_zp else onnx.TensorProto.UINT8
+
+
 def _file_anchors(model: onnx.ModelProto, base: str | None) -> list[_FileAnchor]:
     graph = model.graph
     consts = all_constants(model)
@@ -177,19 +185,14 @@ def _file_anchors(model: onnx.ModelProto, base: str | None) -> list[_FileAnchor]
         if node.domain not in DEFAULT_DOMAINS:
             continue
         if node.op_type == "QuantizeLinear" and node.input[0] not in consts:
-            scale = _const(node.input[1], consts, base)
-            zp = _const(node.input[2], consts, base) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int8)
+            scale, zp, dtype = _qparams(node, consts, base)
             if scale is None or np.size(scale) != 1:
                 continue  # a per-channel activation quantizer: compared as an output only
-            anchors[node.output[0]] = _FileAnchor(node, index, float(np.asarray(scale).reshape(())),
-                                                  int(np.asarray(zp).reshape(())),
-                                                  consts[node.input[2]].data_type if len(node.input) > 2 and node.input[2] in consts else onnx.TensorProto.UINT8,
+            anchors[node.output[0]] = _FileAnchor(node, index, float(np.asarray(scale).reshape(())), zp, dtype,
                                                   [], *_segment(node.input[0], made_by, consts))
         elif node.op_type == "DequantizeLinear" and node.input[0] in anchors:
-            scale = _const(node.input[1], consts, base)
-            zp = _const(node.input[2], consts, base) if len(node.input) > 2 and node.input[2] else np.zeros(())
-            anchors[node.input[0]].readers.append((index, node, float(np.asarray(scale).reshape(-1)[0]),
-                                                   int(np.asarray(zp).reshape(-1)[0])))
+            scale, zp, _ = _qparams(node, consts, base)
+            anchors[node.input[0]].readers.append((index, node, float(np.asarray(scale).reshape(-1)[0]), zp))
     return list(anchors.values())
 
 
@@ -330,6 +333,12 @@ def _run_torch(model: Any, anchors: list[_TorchAnchor], batches: list[tuple]) ->
 
 
 # -- matching and rows ---------------------------------------------------------------------------------------
+def _same_qparams(scale: float, zero_point: int, dtype: int, t: _TorchAnchor) -> bool:
+    """The file's scale and zero-point are the model's (a uint8 file's zero-point moved by 128)."""
+    return np.float32(scale) == np.float32(t.scale) and (
+        zero_point == t.zero_point or (dtype == onnx.TensorProto.UINT8 and zero_point == t.zero_point + _UINT8_SHIFT))
+
+
 def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
            file_shapes: dict[str, tuple], torch_shapes: dict[str, tuple]) -> dict[int, _TorchAnchor | None]:
     """File anchor index → model anchor: same scale, zero-point (up to the uint8 move) and shape,
@@ -337,12 +346,9 @@ def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
     free = list(torch_anchors)
     matched: dict[int, _TorchAnchor | None] = {}
 
-    def same_zero_point(f: _FileAnchor, t: _TorchAnchor) -> bool:
-        return f.zero_point == t.zero_point or (f.dtype == onnx.TensorProto.UINT8 and f.zero_point == t.zero_point + _UINT8_SHIFT)
-
     for f in file_anchors:
         shape = file_shapes.get(f.q_node.output[0])
-        pick = next((t for t in free if np.float32(t.scale) == np.float32(f.scale) and same_zero_point(f, t)
+        pick = next((t for t in free if _same_qparams(f.scale, f.zero_point, f.dtype, t)
                      and torch_shapes.get(t.node.name) == shape), None)
         if pick is not None:
             free.remove(pick)
@@ -425,9 +431,10 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
     matched = _match(file_anchors, torch_anchors, file_shapes, torch_shapes)
     isolated = _isolated_run(file_model, file_anchors, matched, batches, ref)
     rows: list[LayerRow] = []
+    made_by = producers(file_model.graph)
     for f in file_anchors:
         t = matched[f.index]
-        producer = producers(file_model.graph).get(f.q_node.input[0])
+        producer = made_by.get(f.q_node.input[0])
         layer_name = producer.name if producer is not None else f.q_node.input[0]
         layer_op = producer.op_type if producer is not None else "input"
         shape = file_shapes[f.q_node.output[0]]
@@ -435,8 +442,7 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
             rows.append(LayerRow(f.index, "layer", layer_name, layer_op, None, shape, float("nan"), None, float("nan"),
                                  0, f.scale, "structure", f.segment, "the model has no quantizer of this shape here"))
             continue
-        qparams_ok = np.float32(t.scale) == np.float32(f.scale) and (
-            f.zero_point == t.zero_point or (f.dtype == onnx.TensorProto.UINT8 and f.zero_point == t.zero_point + _UINT8_SHIFT))
+        qparams_ok = _same_qparams(f.scale, f.zero_point, f.dtype, t)
         x_file, x_model = joined(got, f.q_node.input[0]), joined(ref, t.node.name, 0)
         max_abs, cosine, n_off = _metrics(x_file, x_model)
         steps = max_abs / t.scale
@@ -457,8 +463,7 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
             out_file = joined(got, reader.output[0])
             max_abs, cosine, n_off = _metrics(out_file, dq_model)
             steps = max_abs / t.scale
-            reader_ok = np.float32(scale) == np.float32(t.scale) and (
-                zp == t.zero_point or (f.dtype == onnx.TensorProto.UINT8 and zp == t.zero_point + _UINT8_SHIFT))
+            reader_ok = _same_qparams(scale, zp, f.dtype, t)
             if not reader_ok:
                 cause, note = "qparams", f"DequantizeLinear scale {scale:.6g} / zero-point {zp}, the model's {t.scale:.6g} / {t.zero_point}"
             elif steps > _ONE_STEP:
