@@ -24,6 +24,7 @@ _EXPORTS = {
     "ExportRefusedError": ".errors",
     "WriteError": ".errors",
     "PerformanceWarning": ".errors",
+    "RuntimePrecisionWarning": ".errors",
     "OnnxportWarning": ".errors",
     "Quantizer": ".quantize",
     "QuantSpec": ".quantize",
@@ -54,7 +55,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from ._io import save_model
     from .errors import (ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning,
-                         WriteError)
+                         RuntimePrecisionWarning, WriteError)
     from .qdq.export import export_qdq
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.targets import check_target

@@ -69,6 +69,24 @@ def torch_to_onnx(
     custom_translation_table: dict | None = None,
 ) -> onnx.ModelProto:
     """Export with the dynamo exporter at ``max(opset_version, 18)`` and return the proto."""
+    return torch_program(
+        model, inputs, opset_version=opset_version, input_names=input_names, output_names=output_names,
+        dynamic_batch=dynamic_batch, custom_translation_table=custom_translation_table,
+    ).model_proto
+
+
+def torch_program(
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    opset_version: int,
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_batch: bool,
+    custom_translation_table: dict | None = None,
+) -> torch.onnx.ONNXProgram:
+    """Export with the dynamo exporter at ``max(opset_version, 18)``; the program's ``model`` is an
+    ``onnx_ir`` model whose weights still live in torch (nothing is copied until it is saved)."""
     dynamic_shapes = None
     if dynamic_batch:
         for name, t in zip(input_names, inputs):
@@ -108,4 +126,4 @@ def torch_to_onnx(
         ) from error
     if program is None:
         raise ExportRefusedError("torch.onnx.export returned no program.")
-    return program.model_proto
+    return program

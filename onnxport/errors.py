@@ -42,3 +42,7 @@ class OnnxportWarning(UserWarning):
 
 class PerformanceWarning(OnnxportWarning):
     """The file is correct but will likely run slower than the caller expects."""
+
+
+class RuntimePrecisionWarning(OnnxportWarning):
+    """The file is correct, but a runtime's default setting computes it less exactly than the model."""

@@ -34,6 +34,8 @@ class QDQStats:
             (ReLU, Clip, BatchNormalization, HardSwish…) — edges with no Q/DQ pair. 0 for a graph
             without any Q/DQ node.
         n_uint8: Q/DQ nodes whose zero-point is uint8.
+        n_blocked: Q/DQ nodes with a ``block_size`` (blocked int4/int8 weights, opset 21).
+        n_int4: Q/DQ nodes whose integers are int4 or uint4.
     """
 
     n_quantize: int
@@ -42,9 +44,14 @@ class QDQStats:
     n_nonzero_zero_point: int
     n_unquantized_conv_add: int
     n_uint8: int = 0
+    n_blocked: int = 0
+    n_int4: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+_INT4 = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
 
 
 def _load(onnx_path: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
@@ -97,6 +104,12 @@ def _stats(model: onnx.ModelProto, base: Path | None) -> QDQStats:
                 raise OnnxportError(f"Cannot read the scale of node '{_name(node)}': '{node.input[1]}' is not a graph constant.")
             if int(np.prod(scale.dims)) > 1:
                 counts["per_channel"] += 1
+            if any(a.name == "block_size" and a.i for a in node.attribute):
+                counts["blocked"] += 1
+            integers = consts.get(node.input[0] if node.op_type == "DequantizeLinear" else "")
+            zp_type = consts[node.input[2]].data_type if len(node.input) >= 3 and node.input[2] in consts else None
+            if _INT4 & {zp_type, integers.data_type if integers is not None else None}:
+                counts["int4"] += 1
             if len(node.input) >= 3 and node.input[2]:
                 zp = consts.get(node.input[2])
                 if zp is None:
@@ -110,7 +123,10 @@ def _stats(model: onnx.ModelProto, base: Path | None) -> QDQStats:
         conv_add += _conv_add_edges(graph)
     if not counts["q"] + counts["dq"]:
         conv_add = 0  # a float graph has no "unquantized" edges, only float ones
-    return QDQStats(counts["q"], counts["dq"], counts["per_channel"], counts["nonzero"], conv_add, counts["uint8"])
+    return QDQStats(
+        counts["q"], counts["dq"], counts["per_channel"], counts["nonzero"], conv_add, counts["uint8"],
+        counts["blocked"], counts["int4"],
+    )
 
 
 @dataclass(frozen=True)
@@ -147,8 +163,12 @@ class QDQReport:
     def __str__(self) -> str:
         quantized = sum(op.quantized for op in self.compute_ops)
         lines = [
-            f"opset {self.opset}; {self.stats.n_quantize} QuantizeLinear, {self.stats.n_dequantize} DequantizeLinear "
-            f"({self.stats.n_per_channel} per-channel)",
+            (
+                f"opset {self.opset}; {self.stats.n_quantize} QuantizeLinear, {self.stats.n_dequantize} "
+                f"DequantizeLinear ({self.stats.n_per_channel} per-channel or blocked"
+                + (f", {self.stats.n_blocked} blocked" if self.stats.n_blocked else "")
+                + (f", {self.stats.n_int4} int4" if self.stats.n_int4 else "") + ")"
+            ),
             f"zero-point types: {', '.join(f'{k} x{v}' for k, v in sorted(self.zero_point_dtypes.items())) or 'none'}; "
             f"non-zero zero-points: {self.stats.n_nonzero_zero_point}",
             f"compute ops between Q/DQ pairs: {quantized} of {len(self.compute_ops)}",
@@ -170,6 +190,10 @@ class QDQReport:
         if ort_counts:
             runs = ", ".join(f"{op} {c['int8']}/{c['int8'] + c['float']}" for op, c in ort_counts.items())
             lines.append(f"ONNX Runtime (CPU, default level) runs in INT8: {runs}")
+        if self.extra.get("ort_matmul_nbits"):
+            lines.append(
+                f"ONNX Runtime runs {self.extra['ort_matmul_nbits']} MatMul as MatMulNBits (weight-only int4/int8)"
+            )
         return "\n".join(lines)
 
 
@@ -179,6 +203,8 @@ def _why_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], consts:
         return producer is not None and producer.op_type == "DequantizeLinear"
 
     if not dequantized(node.input[0]):
+        if len(node.input) > 1 and dequantized(node.input[1]):
+            return "weight-only: its weight is dequantized, its input stays float"
         return "its input is not dequantized"
     if len(node.input) > 1 and not dequantized(node.input[1]):
         if node.op_type == "MatMul" and node.input[1] not in consts:
@@ -215,8 +241,10 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), None)
     extra: dict[str, Any] = {}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
-        from .targets import ort_int8_counts
+        from .targets import ort_int8_counts, ort_optimised_ops
 
-        counts = ort_int8_counts(onnx_path)
+        optimised = ort_optimised_ops(onnx_path)
+        counts = ort_int8_counts(onnx_path, optimised)
         extra["ort_int8"] = {op: c for op, c in counts.items() if c["int8"] or c["float"]}
+        extra["ort_matmul_nbits"] = optimised.get("MatMulNBits", 0)
     return QDQReport(opset, stats, tuple(ops), dict(zp_types), tuple(missing), extra)

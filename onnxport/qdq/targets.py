@@ -143,18 +143,21 @@ def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
         options = ort.SessionOptions()
         options.optimized_model_filepath = str(optimised)
         options.log_severity_level = 3  # saving an NCHWc-optimised graph warns that it is machine-specific
+        # A model over 2 GB can only be saved with its weights outside the proto.
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimised.onnx.data")
         ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
         return Counter(node.op_type for node in onnx.load_model(str(optimised), load_external_data=False).graph.node)
 
 
-def ort_int8_counts(onnx_path: str | os.PathLike) -> dict[str, dict[str, int]]:
+def ort_int8_counts(onnx_path: str | os.PathLike, optimised: Counter[str] | None = None) -> dict[str, dict[str, int]]:
     """How many Conv/Gemm/MatMul/Add ONNX Runtime runs in INT8 after its own optimisation.
 
-    Read from the optimised graph ORT writes (default level, CPU provider). Returns
-    ``{op: {"int8": n, "float": m}}``.
+    Read from the optimised graph ORT writes (default level, CPU provider), or from
+    ``optimised`` (the counts :func:`ort_optimised_ops` returned) when given. Returns
+    ``{op: {"int8": n, "float": m}}``; weight-only ``MatMulNBits`` is in neither.
     """
     counts: dict[str, dict[str, int]] = {op: {"int8": 0, "float": 0} for op in ("Conv", "Gemm", "MatMul", "Add")}
-    for op, n in ort_optimised_ops(onnx_path).items():
+    for op, n in (ort_optimised_ops(onnx_path) if optimised is None else optimised).items():
         if op in _ORT_INT8:
             counts[_ORT_INT8[op]]["int8"] += n
         elif op in _ORT_FLOAT:

@@ -19,11 +19,13 @@ from .calibration import read_calibration
 from .observers import OBSERVERS, activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
+from .weight_only import WEIGHT_ONLY_BITS, drop_bound_reprs, quantize_weight_only
 
 BACKENDS = ("pt2e", "torchao")
 PT2E_METHODS = ("static", "qat")
 TORCHAO_METHODS = ("int8_weight_only", "int8_dynamic", "int4_weight_only")
 QSCHEMES = ("per_channel", "per_tensor")
+WEIGHT_ONLY_QSCHEMES = ("per_group", "per_channel")
 TARGETS = ("tensorrt", "onnxruntime", "qnn")
 
 
@@ -143,10 +145,13 @@ class Quantizer:
         backend: ``'pt2e'`` (static PTQ or QAT, our own annotation) or ``'torchao'``.
         method: pt2e: ``'static'`` (default) or ``'qat'``; torchao: ``'int8_weight_only'``,
             ``'int8_dynamic'`` or ``'int4_weight_only'`` (required).
-        qscheme: weights ``'per_channel'`` (output-channel axis; axis 1 for transposed convs) or
-            ``'per_tensor'``.
-        symmetric: activations symmetric int8 with zero-point 0 (what TensorRT needs). ``False``
-            gives affine activations, with a warning.
+        qscheme: pt2e weights ``'per_channel'`` (output-channel axis; axis 1 for transposed convs,
+            the default) or ``'per_tensor'``; torchao weight-only: ``'per_group'`` (``group_size``
+            input features per scale; the default for int4) or ``'per_channel'`` (the default for
+            int8).
+        symmetric: pt2e: activations symmetric int8 with zero-point 0 (what TensorRT needs);
+            ``False`` gives affine activations, with a warning. torchao weight-only: the weights'
+            mapping — ``True`` zero-points 0, ``False`` one zero-point per block.
         observer: activation observer for calibration: ``'histogram'`` (default; the best
             agreement in ``bench/quantizer.py``), ``'minmax'`` or ``'percentile'`` (99.99th).
         qdq_placement: ``'per_op'`` (every operator's inputs quantized, both inputs of every add)
@@ -155,7 +160,12 @@ class Quantizer:
         float_layers: module names left entirely in float (weights and outputs): what
             :func:`onnxport.quantize_within_budget` chooses, and what :func:`onnxport.sensitivity`
             tries one at a time.
-        group_size: weight group size of ``'int4_weight_only'``.
+        group_size: input features per scale for ``qscheme='per_group'`` (default 128); it must
+            divide every quantized layer's width. ONNX Runtime fuses a group of a power of two
+            from 16 up into ``MatMulNBits``.
+        quantize_embeddings: torchao weight-only: quantize ``nn.Embedding`` weights too (grouped
+            along the embedding width). Needed when an embedding shares its weight with a
+            quantized ``lm_head`` (tied embeddings).
         target: a deployment preset for pt2e (see the README's "choosing a target"):
             ``'tensorrt'`` — int8, every zero-point 0, per-channel weights, Q/DQ on both add
             inputs (the default behaviour, recorded as a target); ``'onnxruntime'`` — outputs of
@@ -171,13 +181,14 @@ class Quantizer:
         backend: str = "pt2e",
         method: str | None = None,
         *,
-        qscheme: str = "per_channel",
+        qscheme: str | None = None,
         symmetric: bool = True,
         observer: str = "histogram",
         qdq_placement: str = "per_op",
         skip_activations: Sequence[str] | None = None,
         float_layers: Sequence[str] | None = None,
         group_size: int = 128,
+        quantize_embeddings: bool = False,
         target: str | None = None,
         activation_bits: int = 8,
     ) -> None:
@@ -205,7 +216,17 @@ class Quantizer:
                     f"Quantizer(backend='torchao') needs a method: one of {', '.join(map(repr, TORCHAO_METHODS))}."
                 )
             self.method = check_choice(method, TORCHAO_METHODS, "method")
-        self.qscheme = check_choice(qscheme, QSCHEMES, "qscheme")
+        if self.method in WEIGHT_ONLY_BITS:
+            default = "per_group" if self.method == "int4_weight_only" else "per_channel"
+            self.qscheme = check_choice(qscheme or default, WEIGHT_ONLY_QSCHEMES, "qscheme")
+        else:
+            self.qscheme = check_choice(qscheme or "per_channel", QSCHEMES, "qscheme")
+        if quantize_embeddings and self.method not in WEIGHT_ONLY_BITS:
+            raise InvalidArgumentError(
+                "quantize_embeddings=True is for the torchao weight-only methods ('int4_weight_only', "
+                "'int8_weight_only'); pt2e and int8_dynamic leave embeddings float."
+            )
+        self.quantize_embeddings = bool(quantize_embeddings)
         self.observer = check_choice(observer, OBSERVERS, "observer")
         self.qdq_placement = check_choice(qdq_placement, PLACEMENTS, "qdq_placement")
         if skip_activations is not None and (
@@ -250,12 +271,16 @@ class Quantizer:
                 float_layers=tuple(self.float_layers),
                 observer=self.observer if self.method == "static" else "fake_quant", target=self.target,
             )
-        bits = 4 if self.method == "int4_weight_only" else 8
+        if self.method in WEIGHT_ONLY_BITS:
+            return QuantSpec(
+                backend="torchao", method=self.method, weight_bits=WEIGHT_ONLY_BITS[self.method],
+                activation_bits=None, qscheme=self.qscheme, symmetric=self.symmetric,
+                group_size=self.group_size if self.qscheme == "per_group" else None,
+                quantized_embeddings=self.quantize_embeddings,
+            )
         return QuantSpec(
-            backend="torchao", method=self.method, weight_bits=bits,
-            activation_bits=None, qscheme="per_group" if bits == 4 else "per_channel", symmetric=True,
-            group_size=self.group_size if bits == 4 else None,
-            dynamic_activations=self.method == "int8_dynamic",
+            backend="torchao", method=self.method, weight_bits=8, activation_bits=None,
+            qscheme="per_channel", symmetric=True, dynamic_activations=True,
         )
 
     def _pt2e_quantizer(self, is_qat: bool) -> _OnnxportPT2EQuantizer:
@@ -391,30 +416,23 @@ class Quantizer:
 
     # -- torchao -----------------------------------------------------------------------------
     def _torchao(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torchao.quantization import (
-            Int4WeightOnlyConfig,
-            Int8DynamicActivationInt8WeightConfig,
-            Int8WeightOnlyConfig,
-            quantize_,
-        )
+        if self.method in WEIGHT_ONLY_BITS:
+            work = quantize_weight_only(
+                model, self.method, group_size=self.group_size if self.qscheme == "per_group" else None,
+                symmetric=self.symmetric, embeddings=self.quantize_embeddings,
+            )
+            return attach_spec(work, self.spec())
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-        config = {
-            "int8_weight_only": lambda: Int8WeightOnlyConfig(),
-            "int8_dynamic": lambda: Int8DynamicActivationInt8WeightConfig(),
-            "int4_weight_only": lambda: Int4WeightOnlyConfig(group_size=self.group_size),
-        }[self.method]()
         work = copy.deepcopy(model).eval()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                quantize_(work, config)
+                quantize_(work, Int8DynamicActivationInt8WeightConfig())
         except Exception as error:
             raise OnnxportError(
                 f"torchao could not apply '{self.method}' on this CPU: {type(error).__name__}: "
-                f"{(str(error).strip().splitlines() or [''])[0]}. This recipe needs a torchao kernel "
-                f"this machine lacks; use 'int8_weight_only' or 'int8_dynamic', or pt2e."
+                f"{(str(error).strip().splitlines() or [''])[0]}."
             ) from error
-        for module in work.modules():
-            # torchao binds a partial as extra_repr on each quantized layer: cosmetic, and unpicklable.
-            module.__dict__.pop("extra_repr", None)
+        drop_bound_reprs(work)
         return attach_spec(work, self.spec())

@@ -21,7 +21,7 @@ class QuantSpec:
         activation_bits: bits of the activations between operators (``None``: float, or
             quantized on the fly at run time).
         qscheme: ``'per_channel'``, ``'per_tensor'`` or ``'per_group'`` for weights.
-        symmetric: whether activation zero-points are all 0.
+        symmetric: whether activation zero-points are all 0 (weight-only recipes: the weights').
         group_size: the weight group size of grouped recipes, else ``None``.
         placement: the Q/DQ placement policy (``'per_op'``, ``'skip_conv_add'``) of pt2e models.
         skipped_modules: modules whose output activations were left in float.
@@ -30,6 +30,8 @@ class QuantSpec:
         observer: the activation observer used for calibration.
         dynamic_activations: activations are quantized at run time from their own range.
         target: the deployment target preset the model was quantized for, if any.
+        float_layers: see above.
+        quantized_embeddings: weight-only recipes: ``nn.Embedding`` weights are quantized too.
     """
 
     backend: str
@@ -45,18 +47,24 @@ class QuantSpec:
     dynamic_activations: bool = False
     target: str | None = None
     float_layers: tuple[str, ...] = ()
+    quantized_embeddings: bool = False
+
+    @property
+    def weight_only(self) -> bool:
+        """True for the torchao recipes that quantize weights and leave activations float."""
+        return self.backend == "torchao" and self.activation_bits is None and not self.dynamic_activations
+
+    @property
+    def qdq_opset(self) -> int:
+        """The oldest default-domain opset whose Q/DQ operators say this precision."""
+        if self.weight_only or self.activation_bits == 16:
+            return 21  # int4 and blocked DequantizeLinear, uint16 pairs: opset 21
+        return 13
 
     def qdq_refusal(self) -> str | None:
         """Why this precision has no QuantizeLinear/DequantizeLinear form, or ``None`` if it has one."""
-        if self.weight_bits == 4:
-            return (
-                "INT4 weights have no Q/DQ pair at opset 18 (blocked INT4 Q/DQ needs opset 21, and "
-                "torch.onnx does not write it from torchao's INT4 layout)"
-            )
         if self.dynamic_activations:
             return "its activations are quantized at run time, so it has no static activation scales to write"
-        if self.activation_bits is None:
-            return "it quantizes weights only, so it has no activation scales to write"
         return None
 
     @property
@@ -102,12 +110,14 @@ _TABLE = [
      "int8 per-tensor, affine", "fake-quantized float (reference)", "ONNX Q/DQ, non-zero zero-points (not TensorRT)"),
     ("pt2e", "qat", "int8 per-channel, symmetric", "int8 per-tensor, zero-point 0",
      "fake-quant training, then as static", "ONNX Q/DQ (`export_qdq`)"),
-    ("torchao", "int8_weight_only", "int8 per-channel", "float", "torchao int8 weight kernels",
-     "refused: no activation scales"),
+    ("torchao", "int8_weight_only", "int8 per-channel or per-group, symmetric or affine", "float",
+     "dequantize, then the float op (`IntxWeightOnlyConfig`)",
+     "opset 21: int8 `DequantizeLinear` (per-axis or `block_size`) → MatMul/Gather; ORT `MatMulNBits`"),
     ("torchao", "int8_dynamic", "int8 per-channel", "int8 per-token at run time", "torchao dynamic kernels",
      "refused: no static activation scales"),
-    ("torchao", "int4_weight_only", "int4 grouped (group_size)", "float", "torchao int4 kernels (needs a kernel for this CPU)",
-     "refused: no INT4 Q/DQ at opset 18"),
+    ("torchao", "int4_weight_only", "int4 per-group (group_size) or per-channel, symmetric or affine", "float",
+     "dequantize, then the float op (`IntxWeightOnlyConfig`)",
+     "opset 21: int4 `DequantizeLinear` (`block_size`) → MatMul/Gather; ORT `MatMulNBits`"),
 ]
 
 

@@ -1,0 +1,425 @@
+"""Weight-only INT4/INT8 models (torchao) to ONNX: one ``DequantizeLinear`` per weight, opset 21.
+
+Each quantized ``nn.Linear`` becomes ``DequantizeLinear(int4|int8 [in, out], scale, zero-point,
+axis, block_size) → MatMul`` — the pattern ONNX Runtime fuses into ``MatMulNBits`` — and each
+quantized ``nn.Embedding`` becomes ``DequantizeLinear → Gather``. Activations stay float.
+
+The integers, scales and zero-points are torchao's own, moved (transposed for MatMul, whose
+weight is ``[in, out]``) but never recomputed: a second quantization of the float weights, as
+ONNX Runtime's ``MatMulNBitsQuantizer`` does, need not land on the same integers.
+
+The float weights never reach the exporter. The model is exported with an empty placeholder in
+place of each quantized weight (its pages are never touched, so it costs no memory), and the
+placeholder is then replaced in the ONNX graph by the dequantizer of torchao's integers.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+
+from .. import _checks
+from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
+
+#: Blocked and int4 DequantizeLinear exist from this opset.
+WEIGHT_ONLY_OPSET = 21
+#: Agreement the file must reach with the torchao model at ONNX Runtime's unoptimised level.
+MIN_COSINE = 0.9999
+_EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with room for the graph
+_ONNX_TYPES = {4: ir.DataType.INT4, 8: ir.DataType.INT8}
+_NUMPY_TYPES = {4: ml_dtypes.int4, 8: np.int8}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight torchao quantized, in torchao's layout (rows are output channels or tokens).
+
+    Attributes:
+        module: the layer's name in the model (``model.layers.0.mlp.up_proj``).
+        kind: ``'linear'`` (read by MatMul) or ``'embedding'`` (read by Gather).
+        bits: 4 or 8.
+        qdata: the integers, int8 storage, ``[rows, width]``.
+        scale: float32 ``[rows, width / group]``.
+        zero_point: int8 ``[rows, width / group]``, or ``None`` when every zero-point is 0.
+        group: elements of a row per scale (``width`` for one scale per channel).
+    """
+
+    module: str
+    kind: str
+    bits: int
+    qdata: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray | None
+    group: int
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group == self.qdata.shape[1]
+
+    @property
+    def placeholder(self) -> str:
+        """The initializer name the exporter gives the stand-in for this weight."""
+        return f"{self.module}.{'weight_t' if self.kind == 'linear' else 'weight'}"
+
+    def onnx_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, int]]:
+        """(integers, scale, zero-point, DequantizeLinear attributes) as the file stores them.
+
+        MatMul reads its weight as ``[in, out]``, so a Linear's tensors are transposed and its
+        blocks run along axis 0; an embedding keeps torchao's ``[tokens, width]`` with blocks
+        along axis 1. One scale per channel is written per-axis (no ``block_size``).
+        """
+        transpose = self.kind == "linear"
+        q = self.qdata.T if transpose else self.qdata
+        scale, zp = self.scale, self.zero_point
+        if self.per_channel:
+            attrs = {"axis": 1 if transpose else 0}
+            scale = scale.reshape(-1)
+            zp = None if zp is None else zp.reshape(-1)
+        else:
+            attrs = {"axis": 0 if transpose else 1, "block_size": self.group}
+            scale = scale.T if transpose else scale
+            zp = None if zp is None else (zp.T if transpose else zp)
+        cast = _NUMPY_TYPES[self.bits]
+        return (
+            np.ascontiguousarray(q).astype(cast),
+            np.ascontiguousarray(scale, dtype=np.float32),
+            None if zp is None else np.ascontiguousarray(zp).astype(cast),
+            attrs,
+        )
+
+
+def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """Every torchao weight-only tensor of ``model``, read exactly (no arithmetic).
+
+    Raises :class:`InvalidArgumentError` for quantized tensors this export cannot say faithfully
+    (other layer types, bit widths ONNX has no DequantizeLinear for, dynamic activations).
+    """
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    found: list[QuantizedWeight] = []
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is None or type(weight) in (torch.nn.Parameter, torch.Tensor):
+            continue
+        data = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+        if not isinstance(data, IntxUnpackedToInt8Tensor):
+            if type(data) is not torch.Tensor:
+                raise InvalidArgumentError(
+                    f"'{name}' holds a {type(data).__name__} weight, which export_qdq cannot read back exactly; "
+                    f"quantize with Quantizer(backend='torchao', method='int4_weight_only' or 'int8_weight_only')."
+                )
+            continue
+        if data.activation_quantization is not None:
+            raise InvalidArgumentError(
+                f"'{name}' quantizes its activations at run time ({data.activation_quantization}), so it has no "
+                f"static Q/DQ form; export the weight-only recipe instead."
+            )
+        kind = {torch.nn.Linear: "linear", torch.nn.Embedding: "embedding"}.get(type(module))
+        if kind is None:
+            raise InvalidArgumentError(
+                f"'{name}' is a quantized {type(module).__name__}; export_qdq writes weight-only Linear and "
+                f"Embedding layers only."
+            )
+        bits = {torch.int4: 4, torch.int8: 8}.get(data.target_dtype)
+        if bits is None:
+            raise InvalidArgumentError(
+                f"'{name}' stores {data.target_dtype} weights; ONNX DequantizeLinear reads int4 and int8 (use those)."
+            )
+        if data.qdata.dim() != 2 or data.block_size[0] != 1:
+            raise InvalidArgumentError(
+                f"'{name}' is quantized in blocks of {tuple(data.block_size)}; export_qdq writes blocks along a row."
+            )
+        if data.scale.dtype != torch.float32:
+            raise InvalidArgumentError(
+                f"'{name}' has {data.scale.dtype} scales; export_qdq writes float32 models. Quantize the "
+                f"model in float32 (model.float() before Quantizer)."
+            )
+        zp = data.zero_point.detach().to(torch.int8).numpy()
+        found.append(QuantizedWeight(
+            module=name, kind=kind, bits=bits,
+            qdata=data.qdata.detach().numpy(),
+            scale=data.scale.detach().numpy().astype(np.float32, copy=False),
+            zero_point=zp if np.any(zp) else None,
+            group=int(data.block_size[1]),
+        ))
+    return found
+
+
+class _MatMulStandIn(torch.nn.Module):
+    """A quantized Linear as the exporter should see it: ``x @ W[in, out] + b``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        # Never written to: its pages are not touched, so a large model costs no memory here.
+        self.register_buffer("weight_t", torch.empty(in_features, out_features), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+class _GatherStandIn(torch.nn.Module):
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(num, dim), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight)
+
+
+def _export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch.nn.Module:
+    """A copy of ``model`` (sharing its float tensors) with each quantized layer a stand-in."""
+    memo: dict[int, Any] = {id(t): t for t in model.parameters()}
+    memo.update({id(t): t for t in model.buffers()})
+    work = copy.deepcopy(model, memo)
+    for w in weights:
+        parent_name, _, leaf = w.module.rpartition(".")
+        parent = work.get_submodule(parent_name) if parent_name else work
+        layer = getattr(parent, leaf)
+        if w.kind == "linear":
+            stand_in = _MatMulStandIn(layer.in_features, layer.out_features, layer.bias)
+        else:
+            stand_in = _GatherStandIn(layer.num_embeddings, layer.embedding_dim)
+        setattr(parent, leaf, stand_in)
+    return work
+
+
+def _constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType | None = None) -> ir.Value:
+    tensor = ir.tensor(array, dtype=dtype, name=name)
+    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None:
+    """Replace each stand-in initializer by ``DequantizeLinear`` of torchao's integers (in place)."""
+    graph = model.graph
+    first = next(iter(graph), None)
+    for w in weights:
+        stand_in = graph.initializers.get(w.placeholder)
+        reader = ("MatMul", 1) if w.kind == "linear" else ("Gather", 0)
+        uses = list(stand_in.uses()) if stand_in is not None else []
+        if not uses or any((use.node.op_type, use.idx) != reader for use in uses):
+            found = ", ".join(sorted({f"{u.node.op_type} input {u.idx}" for u in uses})) or "nothing"
+            raise ExportRefusedError(
+                f"The weight of '{w.module}' should reach the exported graph as input {reader[1]} of a "
+                f"{reader[0]}, and it is read by {found}; nothing was kept."
+            )
+        q, scale, zp, attrs = w.onnx_layout()
+        inputs = [
+            _constant(graph, f"{w.module}.qweight", q, _ONNX_TYPES[w.bits]),
+            _constant(graph, f"{w.module}.scale", scale),
+        ]
+        if zp is not None:
+            inputs.append(_constant(graph, f"{w.module}.zero_point", zp, _ONNX_TYPES[w.bits]))
+        node = ir.node("DequantizeLinear", inputs, attrs, name=f"{w.module}.dequantize")
+        output = node.outputs[0]
+        output.name, output.type, output.shape = f"{w.module}.weight", ir.TensorType(ir.DataType.FLOAT), ir.Shape(q.shape)
+        stand_in.replace_all_uses_with(output)
+        graph.initializers.pop(w.placeholder)
+        if first is None:
+            graph.append(node)
+        else:
+            graph.insert_before(first, node)
+
+
+def file_weights(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Every DequantizeLinear of an int4/int8 initializer in a file: its tensors and attributes.
+
+    Keyed by the DequantizeLinear's output name; values hold ``q`` (int64), ``scale``, ``zp``
+    (``None`` when absent), ``axis``, ``block_size`` and ``dtype``.
+    """
+    model = ir.load(str(path))
+    found: dict[str, dict[str, Any]] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+            continue
+        data = node.inputs[0].const_value if node.inputs[0] is not None else None
+        if data is None or data.dtype not in (ir.DataType.INT4, ir.DataType.INT8):
+            continue
+        zp = node.inputs[2] if len(node.inputs) > 2 else None
+        block = node.attributes.get("block_size")
+        found[node.outputs[0].name] = {
+            "q": data.numpy().astype(np.int64),
+            "scale": node.inputs[1].const_value.numpy() if node.inputs[1].const_value is not None else None,
+            "zp": None if zp is None or zp.const_value is None else zp.const_value.numpy().astype(np.int64),
+            "axis": node.attributes["axis"].as_int() if "axis" in node.attributes else 1,
+            "block_size": block.as_int() if block is not None else None,
+            "dtype": data.dtype,
+            "readers": sorted({use.node.op_type for use in node.outputs[0].uses()}),
+        }
+    return found
+
+
+def check_weights_faithful(path: str | Path, weights: list[QuantizedWeight]) -> None:
+    """The file's integers, scales, zero-points, axes and blocks are torchao's, and nothing else."""
+    found = file_weights(path)
+    for w in weights:
+        entry = found.pop(f"{w.module}.weight", None)
+        where = f"the weight of '{w.module}'"
+        if entry is None:
+            raise ExportRefusedError(f"The written file has no DequantizeLinear for {where}; nothing was kept.")
+        q, scale, zp, attrs = w.onnx_layout()
+        problems = []
+        if entry["dtype"] != _ONNX_TYPES[w.bits]:
+            problems.append(f"its integers are {entry['dtype']}, not int{w.bits}")
+        if entry["q"].shape != q.shape or not np.array_equal(entry["q"], q.astype(np.int64)):
+            problems.append("its integers differ from torchao's")
+        if entry["scale"] is None or entry["scale"].dtype != np.float32 or entry["scale"].tobytes() != scale.tobytes():
+            problems.append("its scales differ from torchao's")
+        want_zp = np.zeros(scale.shape, np.int64) if zp is None else zp.astype(np.int64)
+        have_zp = np.zeros(scale.shape, np.int64) if entry["zp"] is None else entry["zp"]
+        if have_zp.shape != want_zp.shape or not np.array_equal(have_zp, want_zp):
+            problems.append("its zero-points differ from torchao's")
+        if entry["axis"] != attrs["axis"] or entry["block_size"] != attrs.get("block_size"):
+            problems.append(f"it is blocked as axis {entry['axis']}, block {entry['block_size']}, not as torchao's")
+        if problems:
+            raise ExportRefusedError(f"In the written file, {where}: {'; '.join(problems)}. Nothing was kept.")
+    if found:
+        raise ExportRefusedError(
+            f"The written file dequantizes {len(found)} integer weights the model does not hold "
+            f"('{next(iter(found))}'); nothing was kept."
+        )
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).reshape(-1), b.astype(np.float64).reshape(-1)
+    denominator = np.linalg.norm(a) * np.linalg.norm(b)
+    return 1.0 if denominator == 0 and np.array_equal(a, b) else float(a @ b / denominator) if denominator else 0.0
+
+
+def check_agreement(got: list[np.ndarray], expected: list[np.ndarray], names: list[str], what: str) -> list[float]:
+    """Cosine of each float output with the torchao model's; below :data:`MIN_COSINE` refuses."""
+    cosines = []
+    for name, a, b in zip(names, got, expected):
+        if a.shape != b.shape:
+            raise ExportRefusedError(f"{what}: output '{name}' has shape {a.shape}, the model's {b.shape}; nothing was kept.")
+        if not np.issubdtype(b.dtype, np.floating):
+            if not np.array_equal(a, b):
+                raise ExportRefusedError(f"{what}: integer output '{name}' differs from the model's; nothing was kept.")
+            continue
+        cosine = _cosine(a, b)
+        if not cosine >= MIN_COSINE:
+            raise ExportRefusedError(
+                f"{what}: output '{name}' agrees with the torchao model to cosine {cosine:.6f}, below "
+                f"{MIN_COSINE}; nothing was kept."
+            )
+        cosines.append(cosine)
+    return cosines
+
+
+def fusable(w: QuantizedWeight) -> bool:
+    """Whether ONNX Runtime's CPU provider fuses this weight's DequantizeLinear into MatMulNBits.
+
+    Measured on ONNX Runtime 1.32: per-axis weights always fuse; blocked ones when the block is
+    a power of two from 16 up. Embeddings (Gather) are never fused.
+    """
+    if w.kind != "linear":
+        return False
+    return w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0)
+
+
+def export_weight_only(
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    staged: Path,
+    *,
+    weights: list[QuantizedWeight],
+    opset_version: int,
+    in_names: list[str],
+    out_names: list[str] | None,
+    dynamic_batch: bool,
+    bar: Any,
+) -> dict[str, Any]:
+    """Export, rewrite, write and check a weight-only model into ``staged``; returns what was measured."""
+    import onnxruntime as ort
+
+    from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
+    from .._inputs import flatten_outputs
+    from .._torch import eval_mode
+    from ..runtime import make_session
+
+    with eval_mode(model), torch.no_grad():
+        reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*inputs))]
+    out_names = check_names(out_names, len(reference), "output_names", "output")
+    feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
+    stand_ins = _export_copy(model, weights)
+    bar.update()
+    with eval_mode(stand_ins):
+        program = torch_program(
+            stand_ins, inputs, opset_version=max(opset_version, EXPORTER_MIN_OPSET), input_names=in_names,
+            output_names=out_names, dynamic_batch=dynamic_batch,
+        )
+    del stand_ins
+    onnx_model = program.model
+    insert_dequantizers(onnx_model, weights)
+    bar.update()
+    size = sum(v.const_value.nbytes for v in onnx_model.graph.initializers.values() if v.const_value is not None)
+    external = staged.name + ".data" if size > _EXTERNAL_DATA_BYTES else None
+    ir.save(onnx_model, staged, external_data=external)
+    del program, onnx_model
+    onnx.checker.check_model(str(staged))
+    _checks.check_declared_opset(onnx.load_model(str(staged), load_external_data=False), opset_version)
+    check_weights_faithful(staged, weights)
+    plain = make_session(staged, optimized=False).run(None, feeds)
+    cosines = check_agreement(plain, reference, out_names, "At ONNX Runtime's unoptimised level")
+    exact = all(a.tobytes() == b.tobytes() for a, b in zip(plain, reference))
+    del plain
+    bar.update()
+    optimised = staged.parent / "ort-optimised.onnx"
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(optimised)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", optimised.name + ".data")
+    options.log_severity_level = 3  # saving an optimised graph warns that it is machine-specific
+    session = make_session(staged, optimized=True, session_options=options)
+    default = session.run(None, feeds)
+    default_cosines = [_cosine(a, b) for a, b in zip(default, reference) if np.issubdtype(b.dtype, np.floating)]
+    if min(default_cosines, default=1.0) < MIN_COSINE:
+        # Not the file's doing: the fused MatMulNBits quantizes its activations to int8 at ORT's
+        # default accuracy level 4; levels 0-2 compute in float and agree as the unoptimised run.
+        warnings.warn(
+            f"At ONNX Runtime's default level the file agrees with the torchao model to cosine "
+            f"{min(default_cosines):.6f}: ORT's MatMulNBits computes with int8 activations there. Set the "
+            f"session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations.",
+            RuntimePrecisionWarning,
+            stacklevel=4,
+        )
+    if dynamic_batch:
+        _checks.check_dynamic_batch(onnx.load_model(str(staged), load_external_data=False))
+        session.run(None, {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()})
+    del session
+    ops = [n.op_type for n in onnx.load_model(str(optimised), load_external_data=False).graph.node]
+    fused = ops.count("MatMulNBits")
+    expected = sum(fusable(w) for w in weights)
+    if fused < expected:
+        warnings.warn(
+            f"ONNX Runtime fused {fused} of the {expected} quantized MatMuls it can run as MatMulNBits; "
+            f"the rest dequantize their weight on every run.",
+            PerformanceWarning,
+            stacklevel=4,
+        )
+    unfusable = [w.module for w in weights if w.kind == "linear" and not fusable(w)]
+    if unfusable:
+        warnings.warn(
+            f"{len(unfusable)} quantized Linear layers (first '{unfusable[0]}') have a block of "
+            f"{next(w.group for w in weights if w.module == unfusable[0])} elements; ONNX Runtime fuses blocks of a "
+            f"power of two from 16 up into MatMulNBits, so these dequantize their weight on every run.",
+            PerformanceWarning,
+            stacklevel=4,
+        )
+    bar.update()
+    return {
+        "matmul_nbits": fused, "quantized_matmuls": sum(w.kind == "linear" for w in weights),
+        "cosine_unoptimised": min(cosines, default=1.0), "cosine_default": min(default_cosines, default=1.0),
+        "exact_unoptimised": exact,
+    }
