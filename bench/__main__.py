@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers")
+BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only")
 HERE = Path(__file__).resolve().parent
 
 

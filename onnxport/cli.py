@@ -67,12 +67,14 @@ def load_model(spec: str) -> Any:
     return model.eval()
 
 
-def _sample(shapes: list[tuple[int, ...]] | None, model: Any) -> tuple:
+def _sample(shapes: list[tuple[int, ...]] | None, model: Any, token_ids: int | None = None) -> tuple:
     import torch
 
     if not shapes:
         raise UsageError("give the input shape(s) with --input-shape 1,3,224,224 (once per input).")
     generator = torch.Generator().manual_seed(0)
+    if token_ids is not None:  # a language model reads int64 token ids, not floats
+        return tuple(torch.randint(0, token_ids, s, generator=generator) for s in shapes)
     return tuple(torch.randn(*s, generator=generator) for s in shapes)
 
 
@@ -139,11 +141,22 @@ def cmd_qdq(args: argparse.Namespace) -> int:
     from . import Quantizer, export_qdq, qdq_stats
 
     model = load_model(args.model)
-    sample = _sample(args.input_shape, model)
-    calibration = _calibration(args.calibration, sample, args.batch_size)
-    quantizer = Quantizer(target=args.target, observer=args.observer, qdq_placement=args.placement,
-                          qscheme=args.qscheme)
-    quantized = quantizer.quantize(model, calibration, dynamic_batch=True)
+    sample = _sample(args.input_shape, model, token_ids=args.token_ids)
+    if args.weight_only:
+        if args.target or args.calibration:
+            raise UsageError("--weight-only quantizes weights alone: drop --target and --calibration.")
+        quantizer = Quantizer(
+            backend="torchao", method=f"{args.weight_only}_weight_only", qscheme=args.qscheme,
+            group_size=args.group_size, symmetric=not args.asymmetric, quantize_embeddings=args.quantize_embeddings,
+        )
+        quantized = quantizer.quantize(model)
+    else:
+        if args.asymmetric or args.quantize_embeddings:
+            raise UsageError("--asymmetric and --quantize-embeddings go with --weight-only.")
+        calibration = _calibration(args.calibration, sample, args.batch_size)
+        quantizer = Quantizer(target=args.target, observer=args.observer, qdq_placement=args.placement,
+                              qscheme=args.qscheme)
+        quantized = quantizer.quantize(model, calibration, dynamic_batch=True)
     path = export_qdq(quantized, sample, args.output, opset_version=args.opset, activation_dtype=args.activation_dtype,
                       dynamic_batch=not args.static_batch, input_names=_names(args.input_names),
                       output_names=_names(args.output_names))
@@ -254,7 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     qdq.add_argument("--target", choices=("tensorrt", "onnxruntime", "qnn"))
     qdq.add_argument("--observer", default="histogram", choices=("histogram", "minmax", "percentile"))
     qdq.add_argument("--placement", default="per_op", choices=("per_op", "skip_conv_add"))
-    qdq.add_argument("--qscheme", default="per_channel", choices=("per_channel", "per_tensor"))
+    qdq.add_argument("--qscheme", choices=("per_channel", "per_tensor", "per_group"),
+                     help="pt2e: per_channel (default) or per_tensor; --weight-only: per_group (int4's default) "
+                          "or per_channel (int8's default)")
+    qdq.add_argument("--weight-only", choices=("int4", "int8"),
+                     help="torchao weight-only quantization (no calibration), exported at opset 21")
+    qdq.add_argument("--group-size", type=int, default=128, help="--weight-only per_group: input features per scale")
+    qdq.add_argument("--asymmetric", action="store_true", help="--weight-only: a zero-point per block")
+    qdq.add_argument("--quantize-embeddings", action="store_true", help="--weight-only: quantize nn.Embedding too")
+    qdq.add_argument("--token-ids", type=int, metavar="VOCAB",
+                     help="the sample is random int64 token ids below VOCAB (language models)")
     qdq.add_argument("--activation-dtype", choices=("int8", "uint8"))
     qdq.add_argument("--opset", type=int)
     qdq.add_argument("--static-batch", action="store_true")

@@ -12,4 +12,20 @@ def tiny() -> nn.Module:
     ).eval()
 
 
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(self.embed(ids)))
+
+
+def tiny_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return _TinyLM().eval()
+
+
 not_a_model = 42

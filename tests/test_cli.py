@@ -62,9 +62,23 @@ def test_qdq_from_npz_then_stats_json_then_encodings_round_trip(tmp_path):
     assert json.loads(onnxport("stats", str(back), "--json", "--no-ort").stdout)["stats"]["n_per_channel"] == 2
 
 
+def test_qdq_weight_only_int4_from_token_ids(tmp_path):
+    out = tmp_path / "lm_int4.onnx"
+    result = onnxport("qdq", "tests.cli_models:tiny_lm", "--input-shape", "2,8", "--token-ids", "64", "-o", str(out),
+                      "--weight-only", "int4", "--group-size", "16", "--quantize-embeddings", "--asymmetric")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(onnxport("stats", str(out), "--json").stdout)
+    assert stats["opset"] == 21 and stats["stats"]["n_int4"] == 4 and stats["stats"]["n_blocked"] == 4
+    assert stats["extra"]["ort_matmul_nbits"] == 3
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["qdq", "tests.cli_models:tiny_lm", "--input-shape", "1,8", "--token-ids", "64", "-o", "x.onnx",
+          "--weight-only", "int4", "--group-size", "24"], "group_size=24 does not divide"),
+        (["qdq", "tests.cli_models:tiny_lm", "--input-shape", "1,8", "--token-ids", "64", "-o", "x.onnx",
+          "--weight-only", "int4", "--group-size", "16", "--opset", "18"], "opset_version=21"),
         (["export", "tests.cli_models:tiny", "-o", "x.onnx"], "--input-shape"),
         (["export", "tests.cli_models", "--input-shape", "1,3,8,8", "-o", "x.onnx"], "package.module:callable"),
         (["export", "tests.cli_models:not_a_model", "--input-shape", "1,3,8,8", "-o", "x.onnx"], "not a torch.nn.Module"),

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -36,7 +36,6 @@ WEIGHT_ONLY_OPSET = 21
 MIN_COSINE = 0.9999
 _EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with room for the graph
 _ONNX_TYPES = {4: ir.DataType.INT4, 8: ir.DataType.INT8}
-_NUMPY_TYPES = {4: ml_dtypes.int4, 8: np.int8}
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,10 @@ class QuantizedWeight:
             attrs = {"axis": 0 if transpose else 1, "block_size": self.group}
             scale = scale.T if transpose else scale
             zp = None if zp is None else (zp.T if transpose else zp)
-        cast = _NUMPY_TYPES[self.bits]
         return (
-            np.ascontiguousarray(q).astype(cast),
+            np.ascontiguousarray(q, dtype=np.int8),
             np.ascontiguousarray(scale, dtype=np.float32),
-            None if zp is None else np.ascontiguousarray(zp).astype(cast),
+            None if zp is None else np.ascontiguousarray(zp, dtype=np.int8),
             attrs,
         )
 
@@ -194,8 +192,20 @@ def _export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torc
     return work
 
 
+def _pack_int4(values: np.ndarray) -> np.ndarray:
+    """Two int4 values per byte, the first in the low nibble (ONNX's layout)."""
+    flat = values.reshape(-1).astype(np.uint8) & 0x0F
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    return flat[0::2] | (flat[1::2] << 4)
+
+
 def _constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType | None = None) -> ir.Value:
-    tensor = ir.tensor(array, dtype=dtype, name=name)
+    if dtype == ir.DataType.INT4:
+        # Packed now: held one value per byte until saving, an LLM's weights would cost twice.
+        tensor = ir.PackedTensor(_pack_int4(array), dtype, shape=ir.Shape(array.shape), name=name)
+    else:
+        tensor = ir.tensor(array, dtype=dtype, name=name)
     value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
     graph.register_initializer(value)
     return value
@@ -225,22 +235,28 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
         node = ir.node("DequantizeLinear", inputs, attrs, name=f"{w.module}.dequantize")
         output = node.outputs[0]
         output.name, output.type, output.shape = f"{w.module}.weight", ir.TensorType(ir.DataType.FLOAT), ir.Shape(q.shape)
+        # Just before its first reader, not at the top: an unoptimised run then holds one
+        # dequantized float weight at a time, not all of them (4.4 GB for a 1.1B model).
+        order = {id(n): i for i, n in enumerate(graph)}
+        readers = [u.node for u in uses if u.node.graph is graph]
         stand_in.replace_all_uses_with(output)
         graph.initializers.pop(w.placeholder)
-        if first is None:
+        if readers:
+            graph.insert_before(min(readers, key=lambda n: order[id(n)]), node)
+        elif first is None:
             graph.append(node)
         else:
             graph.insert_before(first, node)
 
 
-def file_weights(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Every DequantizeLinear of an int4/int8 initializer in a file: its tensors and attributes.
+def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each DequantizeLinear of an int4/int8 initializer in a file, one at a time.
 
-    Keyed by the DequantizeLinear's output name; values hold ``q`` (int64), ``scale``, ``zp``
-    (``None`` when absent), ``axis``, ``block_size`` and ``dtype``.
+    Yields ``(output name, entry)``; the entry holds ``q`` (int8 values), ``scale``, ``zp``
+    (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types.
+    One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
     model = ir.load(str(path))
-    found: dict[str, dict[str, Any]] = {}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
             continue
@@ -249,46 +265,54 @@ def file_weights(path: str | Path) -> dict[str, dict[str, Any]]:
             continue
         zp = node.inputs[2] if len(node.inputs) > 2 else None
         block = node.attributes.get("block_size")
-        found[node.outputs[0].name] = {
-            "q": data.numpy().astype(np.int64),
+        yield node.outputs[0].name, {
+            "q": data.numpy().astype(np.int8),
             "scale": node.inputs[1].const_value.numpy() if node.inputs[1].const_value is not None else None,
-            "zp": None if zp is None or zp.const_value is None else zp.const_value.numpy().astype(np.int64),
+            "zp": None if zp is None or zp.const_value is None else zp.const_value.numpy().astype(np.int8),
             "axis": node.attributes["axis"].as_int() if "axis" in node.attributes else 1,
             "block_size": block.as_int() if block is not None else None,
             "dtype": data.dtype,
             "readers": sorted({use.node.op_type for use in node.outputs[0].uses()}),
         }
-    return found
+
+
+def file_weights(path: str | Path) -> dict[str, dict[str, Any]]:
+    """:func:`iter_file_weights` as a dict keyed by the DequantizeLinear's output name."""
+    return dict(iter_file_weights(path))
 
 
 def check_weights_faithful(path: str | Path, weights: list[QuantizedWeight]) -> None:
     """The file's integers, scales, zero-points, axes and blocks are torchao's, and nothing else."""
-    found = file_weights(path)
-    for w in weights:
-        entry = found.pop(f"{w.module}.weight", None)
-        where = f"the weight of '{w.module}'"
-        if entry is None:
-            raise ExportRefusedError(f"The written file has no DequantizeLinear for {where}; nothing was kept.")
+    expected = {f"{w.module}.weight": w for w in weights}
+    seen = set()
+    for name, entry in iter_file_weights(path):
+        w = expected.get(name)
+        if w is None or name in seen:
+            raise ExportRefusedError(
+                f"The written file dequantizes an integer weight the model does not hold ('{name}'); nothing was kept."
+            )
+        seen.add(name)
         q, scale, zp, attrs = w.onnx_layout()
         problems = []
         if entry["dtype"] != _ONNX_TYPES[w.bits]:
             problems.append(f"its integers are {entry['dtype']}, not int{w.bits}")
-        if entry["q"].shape != q.shape or not np.array_equal(entry["q"], q.astype(np.int64)):
+        if entry["q"].shape != q.shape or not np.array_equal(entry["q"], q.astype(np.int8)):
             problems.append("its integers differ from torchao's")
         if entry["scale"] is None or entry["scale"].dtype != np.float32 or entry["scale"].tobytes() != scale.tobytes():
             problems.append("its scales differ from torchao's")
-        want_zp = np.zeros(scale.shape, np.int64) if zp is None else zp.astype(np.int64)
-        have_zp = np.zeros(scale.shape, np.int64) if entry["zp"] is None else entry["zp"]
+        want_zp = np.zeros(scale.shape, np.int8) if zp is None else zp.astype(np.int8)
+        have_zp = np.zeros(scale.shape, np.int8) if entry["zp"] is None else entry["zp"]
         if have_zp.shape != want_zp.shape or not np.array_equal(have_zp, want_zp):
             problems.append("its zero-points differ from torchao's")
         if entry["axis"] != attrs["axis"] or entry["block_size"] != attrs.get("block_size"):
             problems.append(f"it is blocked as axis {entry['axis']}, block {entry['block_size']}, not as torchao's")
         if problems:
-            raise ExportRefusedError(f"In the written file, {where}: {'; '.join(problems)}. Nothing was kept.")
-    if found:
+            raise ExportRefusedError(f"In the written file, the weight of '{w.module}': {'; '.join(problems)}. Nothing was kept.")
+    missing = [w.module for w in weights if f"{w.module}.weight" not in seen]
+    if missing:
         raise ExportRefusedError(
-            f"The written file dequantizes {len(found)} integer weights the model does not hold "
-            f"('{next(iter(found))}'); nothing was kept."
+            f"The written file has no DequantizeLinear for the weight of '{missing[0]}' "
+            f"({len(missing)} missing); nothing was kept."
         )
 
 
@@ -316,6 +340,22 @@ def check_agreement(got: list[np.ndarray], expected: list[np.ndarray], names: li
             )
         cosines.append(cosine)
     return cosines
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap the serialised graph used back to the OS before ONNX Runtime loads the file.
+
+    glibc keeps freed blocks for reuse; at LLM scale those are gigabytes that the sessions would
+    otherwise stack on top of. A no-op where there is no glibc.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def fusable(w: QuantizedWeight) -> bool:
@@ -346,7 +386,9 @@ def export_weight_only(
 
     from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
     from .._inputs import flatten_outputs
+    from .._io import write_model
     from .._torch import eval_mode
+    from ..export import _optimize
     from ..runtime import make_session
 
     with eval_mode(model), torch.no_grad():
@@ -365,9 +407,24 @@ def export_weight_only(
     insert_dequantizers(onnx_model, weights)
     bar.update()
     size = sum(v.const_value.nbytes for v in onnx_model.graph.initializers.values() if v.const_value is not None)
-    external = staged.name + ".data" if size > _EXTERNAL_DATA_BYTES else None
-    ir.save(onnx_model, staged, external_data=external)
-    del program, onnx_model
+    if size > _EXTERNAL_DATA_BYTES:
+        # Streamed to <name>.data tensor by tensor; onnxslim needs one proto, which this cannot be.
+        ir.save(onnx_model, staged, external_data=staged.name + ".data")
+        del program, onnx_model
+        warnings.warn(
+            f"The weight-only graph holds {size / 1e9:.1f} GB, over protobuf's limit, so it is written without "
+            f"onnxslim's graph clean-up; ONNX Runtime still fuses every MatMulNBits.",
+            PerformanceWarning,
+            stacklevel=4,
+        )
+    else:
+        # The same clean-up export_onnx applies (the FP32 file ORT's own quantizer starts from): it
+        # fuses the exporter's attention and shape chains, never a DequantizeLinear (checked below).
+        proto = ir.serde.serialize_model(onnx_model)
+        del program, onnx_model
+        write_model(_optimize(proto), staged, external_data=False)
+        del proto
+    _return_freed_memory()
     onnx.checker.check_model(str(staged))
     _checks.check_declared_opset(onnx.load_model(str(staged), load_external_data=False), opset_version)
     check_weights_faithful(staged, weights)
@@ -375,6 +432,7 @@ def export_weight_only(
     cosines = check_agreement(plain, reference, out_names, "At ONNX Runtime's unoptimised level")
     exact = all(a.tobytes() == b.tobytes() for a, b in zip(plain, reference))
     del plain
+    _return_freed_memory()
     bar.update()
     optimised = staged.parent / "ort-optimised.onnx"
     options = ort.SessionOptions()

@@ -1,0 +1,226 @@
+"""Weight-only INT4: our faithful export vs ONNX Runtime's own ``MatMulNBitsQuantizer``.
+
+Llama-style models from ``transformers`` configs (random weights, nothing downloaded), batch 1,
+a 128-token prompt and one decode step (a 1-token input without a KV cache: the M=1 product
+that dominates generation). For each model, side by side in one process:
+
+- ``fp32``: ``export_onnx`` of the float model (opset 21).
+- ``ours``: ``Quantizer(backend='torchao', method='int4_weight_only', group_size=32)`` then
+  ``export_qdq`` — torchao's integers as ``DequantizeLinear → MatMul``, fused by ORT.
+- ``ort``: ``MatMulNBitsQuantizer(block_size=32, is_symmetric=True)`` applied to the FP32 file —
+  a second quantization of the float weights.
+
+ORT's DQ→MatMulNBits fusion gives our file accuracy level 4 (int8 activations inside the
+kernel) unless the session says otherwise; ORT's quantizer writes level 0 (float activations)
+unless told. Both are measured at both levels, so each comparison is like for like.
+Agreement is with the torchao model (the PyTorch model a user validated).
+
+A separate process exports a 1.1B-parameter Llama (TinyLlama's shape, embeddings quantized too)
+and reports its peak memory against the float weights' bytes, and the file size against FP32
+(``ONNXPORT_BENCH_SKIP_LARGE=1`` skips it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+SIZES = {
+    "llama h512 L4 (27M)": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                                num_key_value_heads=4, vocab_size=8192),
+    "llama h1024 L4 (100M)": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                                  num_key_value_heads=4, vocab_size=16000),
+    "llama h2048 L2 (0.3B)": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=32,
+                                  num_key_value_heads=4, vocab_size=32000),
+}
+SHAPES = {"prompt 128": 128, "decode 1": 1}
+BLOCK = 32
+LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def _session(path: Path, level: str | None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if level is not None:
+        options.add_session_config_entry(LEVEL_KEY, level)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _interleaved_ms(sessions: dict, feeds: dict, repeat: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median latency of each session, their runs interleaved so drift hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for i in range(warmup + repeat):
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feeds)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _agreement(got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+    a, b = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    return {"cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))), "max_abs": float(np.max(np.abs(a - b))),
+            "top1": float(np.mean(got.argmax(-1) == want.argmax(-1)))}
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.iterdir() if p.name.startswith(path.name))
+
+
+def _ort_quantized(fp32: Path, out: Path, level: int | None) -> Path:
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # The quantizer logs a line per node, and its import turns the root logger to INFO for everyone.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    logging.getLogger().setLevel(logging.WARNING)
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=4, block_size=BLOCK, is_symmetric=True,
+                                     accuracy_level=level)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(out), use_external_data_format=False)
+    return out
+
+
+def _one(name: str, config: dict, scratch: Path) -> dict:
+    import torch
+    import transformers
+
+    from onnxport import Quantizer, export_onnx, export_qdq, qdq_report
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(use_cache=False, **config)).eval()
+    quantized = Quantizer(backend="torchao", method="int4_weight_only", group_size=BLOCK).quantize(model)
+    result: dict = {"parameters": sum(p.numel() for p in model.parameters())}
+    for shape, length in SHAPES.items():
+        ids = torch.randint(0, config["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
+        base = scratch / f"{len(result)}"
+        base.mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            start = time.perf_counter()
+            ours = export_qdq(quantized, ids, base / "ours.onnx")
+            export_s = time.perf_counter() - start
+            fp32 = export_onnx(model, ids, base / "fp32.onnx", opset_version=21, dynamic_batch=False)
+        ort0 = _ort_quantized(fp32, base / "ort_l0.onnx", None)
+        ort4 = _ort_quantized(fp32, base / "ort_l4.onnx", 4)
+        sessions = {
+            "fp32": _session(fp32, None),
+            "ours level 4 (ORT default)": _session(ours, None), "ort level 4": _session(ort4, None),
+            "ours level 0": _session(ours, "0"), "ort level 0": _session(ort0, None),
+        }
+        feeds = {"input": ids.numpy()}
+        with torch.no_grad():
+            reference = quantized(ids).logits.numpy()
+        agreement = {k: _agreement(s.run(None, feeds)[0], reference) for k, s in sessions.items()}
+        latency = _interleaved_ms(sessions, feeds)
+        result[shape] = {
+            "latency_ms": latency, "agreement_with_torchao": agreement,
+            "bytes": {"fp32": _size(fp32), "ours": _size(ours), "ort": _size(ort0)},
+            "matmul_nbits": {"ours": qdq_report(ours).extra["ort_matmul_nbits"],
+                             "ort": sum(n.op_type == "MatMulNBits" for n in __import__("onnx").load(str(ort0)).graph.node)},
+            "export_s": export_s,
+        }
+        del sessions
+    return result
+
+
+_LARGE = r"""
+import json, os, resource, sys, time, warnings
+import torch, transformers
+from onnxport import Quantizer, export_qdq, qdq_report
+out = sys.argv[1]
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                  num_attention_heads=32, num_key_value_heads=4, use_cache=False)
+model = transformers.LlamaForCausalLM(config).eval()
+float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+after_build = peak()
+start = time.perf_counter()
+q = Quantizer(backend="torchao", method="int4_weight_only", group_size=32, quantize_embeddings=True).quantize(model)
+quantize_s, after_quantize = time.perf_counter() - start, peak()
+start = time.perf_counter()
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    path = export_qdq(q, torch.randint(0, 32000, (1, 16)), os.path.join(out, "llama1b.onnx"))
+export_s = time.perf_counter() - start
+size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("llama1b.onnx"))
+print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()), "float_bytes": float_bytes,
+                  "peak_after_build": after_build, "peak_after_quantize": after_quantize, "peak": peak(),
+                  "quantize_s": quantize_s, "export_s": export_s, "file_bytes": size,
+                  "matmul_nbits": qdq_report(path).extra["ort_matmul_nbits"]}))
+"""
+
+
+def _large(scratch: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", _LARGE, str(scratch)], capture_output=True, text=True, check=False)
+    if done.returncode:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures["peak_vs_float_weights"] = figures["peak"] / figures["float_bytes"]
+    figures["file_vs_fp32"] = figures["file_bytes"] / figures["float_bytes"]
+    return figures
+
+
+def run() -> dict:
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, config in SIZES.items():
+            folder = Path(scratch) / str(len(results))
+            folder.mkdir()
+            results[name] = _one(name, config, folder)
+    if os.environ.get("ONNXPORT_BENCH_SKIP_LARGE") != "1":
+        with tempfile.TemporaryDirectory() as scratch:
+            results["llama 1.1B (TinyLlama shape)"] = _large(Path(scratch))
+    return results
+
+
+def report(results: dict) -> str:
+    lines = ["Weight-only INT4 (block 32, symmetric): ours (torchao's integers) vs ORT's MatMulNBitsQuantizer",
+             "| model | input | level | ours ms | ORT ms | ours/ORT | fp32 ms | cosine ours | cosine ORT | "
+             "max err ours | max err ORT | size ours/ORT |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, entry in results.items():
+        if "peak" in entry or "error" in entry:
+            continue
+        for shape in SHAPES:
+            row = entry[shape]
+            lat, agree = row["latency_ms"], row["agreement_with_torchao"]
+            for level, ours, ort in (("4", "ours level 4 (ORT default)", "ort level 4"), ("0", "ours level 0", "ort level 0")):
+                lines.append(
+                    f"| {name} | {shape} | {level} | {lat[ours]:.2f} | {lat[ort]:.2f} | {lat[ours] / lat[ort]:.3f} | "
+                    f"{lat['fp32']:.2f} | {agree[ours]['cosine']:.7f} | {agree[ort]['cosine']:.7f} | "
+                    f"{agree[ours]['max_abs']:.2e} | {agree[ort]['max_abs']:.2e} | "
+                    f"{row['bytes']['ours'] / row['bytes']['ort']:.4f} |"
+                )
+    large = results.get("llama 1.1B (TinyLlama shape)")
+    if large and "peak" in large:
+        lines.append(
+            f"Llama 1.1B ({large['parameters'] / 1e9:.2f}B parameters, {large['float_bytes'] / 1e9:.2f} GB float): "
+            f"peak memory {large['peak'] / 1e9:.2f} GB = {large['peak_vs_float_weights']:.2f}x the float weights "
+            f"(the float model itself {large['peak_after_build'] / 1e9:.2f} GB); quantize {large['quantize_s']:.0f} s, "
+            f"export+checks {large['export_s']:.0f} s; file {large['file_bytes'] / 1e9:.3f} GB = "
+            f"{large['file_vs_fp32']:.3f}x FP32; {large['matmul_nbits']} MatMulNBits."
+        )
+    elif large:
+        lines.append(f"Llama 1.1B: {large['error']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(run()))
