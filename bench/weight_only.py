@@ -144,7 +144,12 @@ import json, os, resource, sys, time, warnings
 import torch, transformers
 from onnxport import Quantizer, export_qdq, qdq_report
 out = sys.argv[1]
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak():
+    # VmHWM starts afresh with this process's memory; ru_maxrss would carry the parent's over exec.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                                   num_attention_heads=32, num_key_value_heads=4, use_cache=False)
