@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ._graph import opset_of
 from ._io import needs_external_data, write_model
 from .errors import ExportRefusedError
-from .passes.lower_opset import default_opset
 from .runtime import make_session
 
 
 def check_declared_opset(model: onnx.ModelProto, requested: int, what: str = "The produced file") -> None:
-    declared = default_opset(model)
+    declared = opset_of(model)
     if declared != requested:
         raise ExportRefusedError(
             f"{what} declares opset {declared}, not the requested {requested}; nothing was kept."
@@ -98,8 +98,8 @@ def check_lowered(
             onnx.checker.check_model(lowered_source, full_check=True)
     except onnx.checker.ValidationError as error:
         raise ExportRefusedError(
-            f"The graph lowered to opset {default_opset(lowered)} fails onnx.checker: {error}; nothing was kept."
+            f"The graph lowered to opset {opset_of(lowered)} fails onnx.checker: {error}; nothing was kept."
         ) from error
-    what = f"The graph lowered to opset {default_opset(lowered)}"
+    what = f"The graph lowered to opset {opset_of(lowered)}"
     got = make_session(lowered_source, optimized=False).run(None, dict(feeds))
     check_identical_outputs(got, run(produced, feeds, optimized=False, scratch=scratch), what)

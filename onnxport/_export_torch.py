@@ -8,7 +8,6 @@ import logging
 import warnings
 from collections.abc import Sequence
 
-import onnx
 import torch
 
 from .errors import ExportRefusedError, InvalidArgumentError
@@ -58,23 +57,6 @@ def tracing_inputs(inputs: tuple[torch.Tensor, ...], dynamic_batch: bool) -> tup
     return inputs
 
 
-def torch_to_onnx(
-    model: torch.nn.Module,
-    inputs: tuple[torch.Tensor, ...],
-    *,
-    opset_version: int,
-    input_names: list[str],
-    output_names: list[str],
-    dynamic_batch: bool,
-    custom_translation_table: dict | None = None,
-) -> onnx.ModelProto:
-    """Export with the dynamo exporter at ``max(opset_version, 18)`` and return the proto."""
-    return torch_program(
-        model, inputs, opset_version=opset_version, input_names=input_names, output_names=output_names,
-        dynamic_batch=dynamic_batch, custom_translation_table=custom_translation_table,
-    ).model_proto
-
-
 def torch_program(
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -85,8 +67,11 @@ def torch_program(
     dynamic_batch: bool,
     custom_translation_table: dict | None = None,
 ) -> torch.onnx.ONNXProgram:
-    """Export with the dynamo exporter at ``max(opset_version, 18)``; the program's ``model`` is an
-    ``onnx_ir`` model whose weights still live in torch (nothing is copied until it is saved)."""
+    """Export with the dynamo exporter at ``max(opset_version, 18)``.
+
+    The program's ``model`` is an ``onnx_ir`` model whose weights still live in torch (nothing is
+    copied until it is saved); ``model_proto`` is the same graph as a protobuf.
+    """
     dynamic_shapes = None
     if dynamic_batch:
         for name, t in zip(input_names, inputs):

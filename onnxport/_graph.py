@@ -47,6 +47,19 @@ def consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     return readers
 
 
+def opset_of(model: onnx.ModelProto) -> int:
+    """The version of the default ONNX domain (``''`` or ``'ai.onnx'``) a model imports."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    from .errors import InvalidArgumentError
+
+    raise InvalidArgumentError(
+        "The model imports no default-domain (ai.onnx) opset, so none of its standard operators has a "
+        "meaning; add an opset_import entry for domain ''."
+    )
+
+
 def is_default_domain(node: onnx.NodeProto) -> bool:
     return node.domain in DEFAULT_DOMAINS
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._graph import opset_of
+
 CLASSES = ("disc", "square", "cross", "stripes", "ring")
 
 
@@ -177,7 +179,7 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
     for name, kwargs in [("qdq_int8", {}), ("qdq_uint8", {"activation_dtype": "uint8"}), ("qdq_opset17", {"opset_version": 17})]:
         path = export_qdq(quantized, sample, out / f"{name}.onnx", dynamic_batch=True, **kwargs)
         record(name, path, q_logits, verify_qdq=verify_qdq(quantized, path, x_test, n_batches=8),
-               opset=next(e.version for e in onnx.load(str(path), load_external_data=False).opset_import if e.domain == ""))
+               opset=opset_of(onnx.load(str(path), load_external_data=False)))
     fast = Quantizer(target="onnxruntime").quantize(model, calibration)
     with torch.no_grad():
         fast_logits = fast(x_test)

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 
 from . import _checks
+from ._graph import opset_of
 from ._io import check_output_path, needs_external_data, staged_output, write_model
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
 from .passes import lower_opset
@@ -156,7 +157,7 @@ def export_onnx(
     """
     import torch
 
-    from ._export_torch import check_names, torch_to_onnx
+    from ._export_torch import check_names, torch_program
     from ._inputs import as_input_tuple, calibration_batches, flatten_outputs
     from ._torch import eval_mode, require_module
 
@@ -197,12 +198,12 @@ def export_onnx(
     steps = ["export", "optimize", "check"] + (["quantize"] if quantize else [])
     with staged_output(target) as staged, tqdm(total=len(steps), desc="export_onnx", leave=False, disable=None) as bar:
         with eval_mode(model):
-            produced = torch_to_onnx(
+            produced = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names,
                 output_names=out_names, dynamic_batch=dynamic_batch,
-            )
+            ).model_proto
         graph = produced
-        if _checks.default_opset(produced) > opset_version:
+        if opset_of(produced) > opset_version:
             graph = lower_opset(produced, opset_version)
             _checks.check_lowered(graph, produced, feeds, scratch=staged.parent)
         bar.update()

@@ -155,13 +155,13 @@ def test_two_inputs_two_outputs_dynamic(tmp_path):
 
 
 def test_native_translation_is_used_and_the_fallback_agrees(resnet_models, tmp_path):
-    from onnxport._export_torch import torch_to_onnx
+    from onnxport._export_torch import torch_program
 
     assert exporter_translates_pt2e()  # torch 2.13 + onnxscript 0.7 translate pt2e themselves
     q, _ = resnet_models
     kwargs = dict(opset_version=18, input_names=["input"], output_names=["output"], dynamic_batch=False)
-    native = torch_to_onnx(q, (SAMPLE,), **kwargs)
-    ours = torch_to_onnx(q, (SAMPLE,), custom_translation_table=fallback_table(), **kwargs)
+    native = torch_program(q, (SAMPLE,), **kwargs).model_proto
+    ours = torch_program(q, (SAMPLE,), custom_translation_table=fallback_table(), **kwargs).model_proto
     feeds = {"input": SAMPLE.numpy()}
     assert [o.tobytes() for o in run(ours, feeds, optimized=False)] == [o.tobytes() for o in run(native, feeds, optimized=False)]
     assert qdq_stats(ours).as_dict() == qdq_stats(native).as_dict()

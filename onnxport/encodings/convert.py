@@ -15,7 +15,7 @@ import onnx
 from onnx import helper, numpy_helper
 from tqdm.auto import tqdm
 
-from .._graph import all_names, tensor_value, unique_name, walk_graphs
+from .._graph import all_names, opset_of, tensor_value, unique_name, walk_graphs
 from .._io import ScratchTensors, check_external_data, external_source, read_onnx
 from ..errors import InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
@@ -425,7 +425,7 @@ def required_opset(entries: list[Encoding]) -> int:
 
 
 def _raise_opset(model: onnx.ModelProto, need: int) -> onnx.ModelProto:
-    current = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
+    current = opset_of(model)
     if current >= need:
         return model
     try:

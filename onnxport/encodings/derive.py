@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnx.defs
 
-from .._graph import walk_graphs
+from .._graph import opset_of, walk_graphs
 from .axes import TensorInfo
 from .formats import Encoding, ScaleMeta
 
@@ -115,7 +115,7 @@ def _perm(node: onnx.NodeProto, rank: int) -> list[int]:
 
 def derive_encodings(model: onnx.ModelProto, known: dict[str, Encoding], info: dict[str, TensorInfo]) -> list[Encoding]:
     """New encodings for data-movement tensors, from their neighbours (two sweeps, both ways)."""
-    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 1)
+    opset = opset_of(model)
     encodings = dict(known)
     derived: dict[str, Encoding] = {}
     for graph in walk_graphs(model.graph):

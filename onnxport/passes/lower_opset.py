@@ -14,21 +14,13 @@ import onnx
 import onnx.defs
 from onnx import numpy_helper
 
-from .._graph import all_names, unique_name, walk_graphs
+from .._graph import all_names, opset_of, unique_name, walk_graphs
 from ..errors import ExportRefusedError
 
 _REDUCE_OPS = {
     "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
     "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare",
 }
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    """The version of the default ONNX domain a model imports."""
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    raise ExportRefusedError("The model imports no default-domain opset.")
 
 
 def _attr(node: onnx.NodeProto, name: str):
@@ -200,7 +192,7 @@ def lower_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
     ``target`` exactly. The result still needs checking (``onnx.checker`` and a run): this pass
     only rewrites.
     """
-    current = default_opset(model)
+    current = opset_of(model)
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
     if target >= current:

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 
 from .. import _checks
+from .._graph import opset_of
 from .._io import check_output_path, staged_output, write_model
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes import (
@@ -114,7 +115,7 @@ def export_qdq(
     protobuf's 2 GB limit gets its weights in ``<name>.data`` beside the file.
     """
 
-    from .._export_torch import check_names, torch_to_onnx
+    from .._export_torch import check_names, torch_program
     from .._inputs import as_input_tuple
     from .._torch import eval_mode, require_module
     from ..export import _validate_opset
@@ -149,15 +150,15 @@ def export_qdq(
     bar = tqdm(total=4, desc="export_qdq", leave=False, disable=None)
     with staged_output(target) as staged, bar:
         with eval_mode(model):
-            produced = torch_to_onnx(
+            produced = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
                 dynamic_batch=dynamic_batch, custom_translation_table=translation_table(),
-            )
+            ).model_proto
         bar.update()
         check_standard_qdq(produced)
         check_faithful(produced, expected)
         graph = produced
-        if _checks.default_opset(produced) > opset_version:
+        if opset_of(produced) > opset_version:
             graph = lower_opset(produced, opset_version)
             _checks.check_lowered(graph, produced, feeds, scratch=staged.parent)
         folded = fold_weight_transpose(graph)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .._graph import all_constants, consumers, is_default_domain, producers, tensor_value, walk_graphs
+from .._graph import all_constants, consumers, is_default_domain, opset_of, producers, tensor_value, walk_graphs
 from ..errors import OnnxportError
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 
@@ -238,7 +238,7 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
             elif node.op_type in QDQ_OPS and len(node.input) >= 3 and node.input[2] in consts:
                 zp_types[onnx.helper.tensor_dtype_to_np_dtype(consts[node.input[2]].data_type).name] += 1
         missing += convs_missing_kernel_shape(graph)
-    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), None)
+    opset = opset_of(model)
     extra: dict[str, Any] = {}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
         from .targets import ort_int8_counts, ort_optimised_ops

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .._graph import all_constants, consumers, is_default_domain, tensor_value, walk_graphs
+from .._graph import all_constants, consumers, is_default_domain, opset_of, tensor_value, walk_graphs
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 
@@ -54,7 +54,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
 
         model, base = read_onnx(onnx_path, "onnx_path"), Path(onnx_path).parent
     consts = all_constants(model)
-    opset = next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0)
+    opset = opset_of(model)
     problems: list[str] = []
 
     def zero_point(node: onnx.NodeProto) -> tuple[np.ndarray | None, int | None]:

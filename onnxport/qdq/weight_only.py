@@ -342,6 +342,39 @@ def check_agreement(got: list[np.ndarray], expected: list[np.ndarray], names: li
     return cosines
 
 
+def _slim_around_weights(model: ir.Model, weights: list[QuantizedWeight]) -> ir.Model:
+    """onnxslim's clean-up (what export_onnx applies, so the file matches the FP32 file ORT's own
+    quantizer starts from) on a graph whose quantized weights are lifted out as graph inputs.
+
+    onnxslim copies every constant it is handed, unpacking int4 to a byte a value: 3 GB at 1.1B
+    parameters. Lifted out, the integers and scales cost it nothing, cannot be folded into float
+    weights, and go back into the slimmed graph untouched, whatever its size.
+    """
+    graph = model.graph
+    ours = {f"{w.module}.{part}" for w in weights for part in ("qweight", "scale", "zero_point")}
+    lifted: dict[str, ir.TensorProtocol] = {}
+    for name in [n for n in graph.initializers if n in ours]:
+        value = graph.initializers.pop(name)
+        lifted[name], value.const_value = value.const_value, None
+        graph.inputs.append(value)
+    proto = ir.serde.serialize_model(model)  # ``model`` is left lifted: the caller drops it
+    from ..export import _optimize
+
+    slimmed = ir.serde.deserialize_model(_optimize(proto))
+    del proto
+    inputs = {v.name: v for v in slimmed.graph.inputs}
+    for name, tensor in lifted.items():
+        value = inputs.get(name)
+        if value is None:
+            raise ExportRefusedError(
+                f"The graph clean-up (onnxslim) dropped the quantized weight '{name}'; nothing was kept."
+            )
+        slimmed.graph.inputs.remove(value)
+        value.const_value = tensor
+        slimmed.graph.register_initializer(value)
+    return slimmed
+
+
 def _return_freed_memory() -> None:
     """Hand the heap the serialised graph used back to the OS before ONNX Runtime loads the file.
 
@@ -386,9 +419,7 @@ def export_weight_only(
 
     from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
     from .._inputs import flatten_outputs
-    from .._io import write_model
     from .._torch import eval_mode
-    from ..export import _optimize
     from ..runtime import make_session
 
     with eval_mode(model), torch.no_grad():
@@ -406,24 +437,11 @@ def export_weight_only(
     onnx_model = program.model
     insert_dequantizers(onnx_model, weights)
     bar.update()
+    onnx_model = _slim_around_weights(onnx_model, weights)
+    del program
     size = sum(v.const_value.nbytes for v in onnx_model.graph.initializers.values() if v.const_value is not None)
-    if size > _EXTERNAL_DATA_BYTES:
-        # Streamed to <name>.data tensor by tensor; onnxslim needs one proto, which this cannot be.
-        ir.save(onnx_model, staged, external_data=staged.name + ".data")
-        del program, onnx_model
-        warnings.warn(
-            f"The weight-only graph holds {size / 1e9:.1f} GB, over protobuf's limit, so it is written without "
-            f"onnxslim's graph clean-up; ONNX Runtime still fuses every MatMulNBits.",
-            PerformanceWarning,
-            stacklevel=4,
-        )
-    else:
-        # The same clean-up export_onnx applies (the FP32 file ORT's own quantizer starts from): it
-        # fuses the exporter's attention and shape chains, never a DequantizeLinear (checked below).
-        proto = ir.serde.serialize_model(onnx_model)
-        del program, onnx_model
-        write_model(_optimize(proto), staged, external_data=False)
-        del proto
+    ir.save(onnx_model, staged, external_data=staged.name + ".data" if size > _EXTERNAL_DATA_BYTES else None)
+    del onnx_model
     _return_freed_memory()
     onnx.checker.check_model(str(staged))
     _checks.check_declared_opset(onnx.load_model(str(staged), load_external_data=False), opset_version)
