@@ -215,3 +215,34 @@ def test_weight_only_construction_errors():
     with pytest.raises(InvalidArgumentError, match="no nn.Linear"):
         Quantizer(backend="torchao", method="int8_weight_only").quantize(nn.Sequential(nn.ReLU()))
 
+
+
+def test_external_data_path_writes_a_complete_checked_pair(tmp_path, monkeypatch):
+    """The >2 GB path (weights in <name>.data), exercised on a small model by lowering the limit."""
+    from onnxport.qdq import weight_only
+
+    monkeypatch.setattr(weight_only, "_EXTERNAL_DATA_BYTES", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+    q = Quantizer(backend="torchao", method="int4_weight_only", group_size=32).quantize(model)
+    path = export_qdq(q, torch.randn(1, 64), tmp_path / "big.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
+    header = onnx.load(str(path), load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in header.graph.initializer)
+    check_weights_faithful(path, quantized_weights(q))
+    x = torch.randn(1, 64)
+    got = run(path, {"input": x.numpy()}, optimized=False)[0]
+    with torch.no_grad():
+        assert np.max(np.abs(got - q(x).numpy())) < 1e-5
+    assert qdq_report(path).extra["ort_matmul_nbits"] == 2
+
+
+def test_a_2d_linear_with_relu_loses_the_fusion_and_is_said(tmp_path):
+    """ONNX Runtime turns a 2-D MatMul+Add+Relu into FusedGemm before its DequantizeLinear fusion
+    runs: that layer stays dequantize + FusedGemm, and the export says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    q = Quantizer(backend="torchao", method="int4_weight_only", group_size=32).quantize(model)
+    with pytest.warns(PerformanceWarning, match="fused 1 of the 2 quantized MatMuls"):
+        path = export_qdq(q, torch.randn(1, 64), tmp_path / "w.onnx")
+    assert qdq_report(path).extra["ort_matmul_nbits"] == 1

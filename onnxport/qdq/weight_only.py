@@ -235,15 +235,9 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
         node = ir.node("DequantizeLinear", inputs, attrs, name=f"{w.module}.dequantize")
         output = node.outputs[0]
         output.name, output.type, output.shape = f"{w.module}.weight", ir.TensorType(ir.DataType.FLOAT), ir.Shape(q.shape)
-        # Just before its first reader, not at the top: an unoptimised run then holds one
-        # dequantized float weight at a time, not all of them (4.4 GB for a 1.1B model).
-        order = {id(n): i for i, n in enumerate(graph)}
-        readers = [u.node for u in uses if u.node.graph is graph]
         stand_in.replace_all_uses_with(output)
         graph.initializers.pop(w.placeholder)
-        if readers:
-            graph.insert_before(min(readers, key=lambda n: order[id(n)]), node)
-        elif first is None:
+        if first is None:
             graph.append(node)
         else:
             graph.insert_before(first, node)
