@@ -246,3 +246,47 @@ def test_a_2d_linear_with_relu_loses_the_fusion_and_is_said(tmp_path):
     with pytest.warns(PerformanceWarning, match="fused 1 of the 2 quantized MatMuls"):
         path = export_qdq(q, torch.randn(1, 64), tmp_path / "w.onnx")
     assert qdq_report(path).extra["ort_matmul_nbits"] == 1
+
+
+def _torchao_direct(config) -> nn.Module:
+    """A Linear quantized by torchao itself, not through Quantizer (so it carries no QuantSpec)."""
+    from torchao.quantization import quantize_
+
+    model = nn.Sequential(nn.Linear(32, 8))
+    quantize_(model, config)
+    return model
+
+
+def _int8_tensor_layout():
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    return export_qdq(_torchao_direct(Int8WeightOnlyConfig()), torch.randn(1, 32), "out.onnx")
+
+
+def _int2_weights():
+    from torchao.quantization import IntxWeightOnlyConfig
+
+    return export_qdq(_torchao_direct(IntxWeightOnlyConfig(weight_dtype=torch.int2)), torch.randn(1, 32), "out.onnx")
+
+
+def _bf16_scales():
+    q = Quantizer(backend="torchao", method="int8_weight_only").quantize(nn.Sequential(nn.Linear(32, 8)).to(torch.bfloat16))
+    return export_qdq(q, torch.randn(1, 32, dtype=torch.bfloat16), "out.onnx")
+
+
+def _embedding_with_max_norm():
+    model = nn.Sequential(nn.Embedding(32, 16, max_norm=1.0), nn.Linear(16, 8))
+    return Quantizer(backend="torchao", method="int4_weight_only", group_size=16, quantize_embeddings=True).quantize(model)
+
+
+@pytest.mark.parametrize("make, message", [
+    (_embedding_with_max_norm, "max_norm=1.0"),
+    (_int8_tensor_layout, "holds a Int8Tensor weight"),
+    (_int2_weights, "stores torch.int2 weights"),
+    (_bf16_scales, "torch.bfloat16 scales"),
+])
+def test_weights_with_no_faithful_form_are_refused_by_name(tmp_path, monkeypatch, make, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match=message):
+        make()
+    assert list(tmp_path.iterdir()) == []
