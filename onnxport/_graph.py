@@ -1,4 +1,4 @@
-"""Read-only helpers over ONNX graphs: constants, producers, consumers, constant shapes."""
+"""Read-only helpers over ONNX protos: constants, producers, consumers, names, the opset."""
 
 from __future__ import annotations
 
@@ -74,22 +74,6 @@ def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for g in attr.graphs:
                     yield from walk_graphs(g)
-
-
-def constant_dims(name: str, graph: onnx.GraphProto) -> list[int] | None:
-    """Dims of the constant a value comes from, through Q/DQ/Cast/Identity; None if not a constant."""
-    consts = constants(graph)
-    made_by = producers(graph)
-    seen: set[str] = set()
-    while name not in consts:
-        if name in seen or name not in made_by:
-            return None
-        seen.add(name)
-        node = made_by[name]
-        if node.op_type not in PASS_THROUGH or not node.input:
-            return None
-        name = node.input[0]
-    return list(consts[name].dims)
 
 
 def tensor_value(tensor: onnx.TensorProto, base_dir: str | Path | None = None) -> np.ndarray:

@@ -10,13 +10,15 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
-from . import _checks
-from ._graph import opset_of
 from ._io import check_output_path, needs_external_data, staged_output, write_model
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
-from .passes import lower_opset
+from .passes.lower_opset import LowerOpsetPass
+from .passes.optimize import OnnxSlimPass
 from .passes.strip_unused_opsets import strip_unused_opsets
+from .pipeline import Pipeline, Step
 
 QUANTIZE_MODES = ("dynamic", "static")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
@@ -36,16 +38,6 @@ def _validate_opset(opset_version: Any) -> int:
             f"exporter writes opset 18 or later, and onnxport lowers it exactly down to {MIN_OPSET} at most."
         )
     return opset_version
-
-
-def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
-    # onnxslim: folds constants and fuses patterns without touching Q/DQ pairs (measured
-    # against onnxoptimizer and the onnxscript optimizer; see the README's design notes).
-    import onnxslim
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return onnxslim.slim(model)
 
 
 def _quantize(
@@ -195,26 +187,26 @@ def export_onnx(
     # -- export, lower, optimise, check, then (optionally) quantize --------------------------
     from tqdm.auto import tqdm
 
-    steps = ["export", "optimize", "check"] + (["quantize"] if quantize else [])
-    with staged_output(target) as staged, tqdm(total=len(steps), desc="export_onnx", leave=False, disable=None) as bar:
+    n_steps = 4 + (1 if quantize else 0)
+    with staged_output(target) as staged, tqdm(total=n_steps, desc="export_onnx", leave=False, disable=None) as bar:
+        pipeline = Pipeline(feeds, scratch=staged.parent)
         with eval_mode(model):
-            produced = torch_program(
+            graph = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names,
                 output_names=out_names, dynamic_batch=dynamic_batch,
-            ).model_proto
-        graph = produced
-        if opset_of(produced) > opset_version:
-            graph = lower_opset(produced, opset_version)
-            _checks.check_lowered(graph, produced, feeds, scratch=staged.parent)
+            ).model
+        pipeline.start(graph)
         bar.update()
-        if optimize:
-            graph = _optimize(graph)
-        graph = strip_unused_opsets(graph)
+        graph = pipeline.apply(graph, float_steps(opset_version, optimize))
         bar.update()
-        large = needs_external_data(graph)
         float_path = staged if not quantize else staged.with_name("float.onnx")
-        write_model(graph, float_path, external_data=large)
-        _check_file(float_path, opset_version, dynamic_batch, feeds)
+        proto = ir.to_proto(graph)
+        del graph
+        large = needs_external_data(proto)
+        write_model(proto, float_path, external_data=large)
+        del proto
+        bar.update()
+        pipeline.prove_file(float_path, opset=opset_version, dynamic_batch=dynamic_batch)
         bar.update()
         if quantize:
             _quantize(
@@ -228,9 +220,20 @@ def export_onnx(
             if len(stripped.opset_import) != len(header.opset_import):
                 onnx.save_model(stripped, str(staged))  # external weights stay where they are
             _warn_about_quantized(header, quantize_mode)
-            _check_file(staged, opset_version, dynamic_batch, feeds)
+            pipeline.prove_file(staged, opset=opset_version, dynamic_batch=dynamic_batch)
             bar.update()
     return target
+
+
+def float_steps(opset_version: int, optimize: bool) -> list[Step]:
+    """The graph steps of :func:`export_onnx`, in order, each with its proof."""
+    steps = [Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs")]
+    if optimize:
+        # onnxslim's constant folding may round differently from the unfolded graph, so its
+        # proof is the checker; verify_onnx measures agreement with the model.
+        steps.append(Step("optimise with onnxslim", OnnxSlimPass(), "checker"))
+    steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"))
+    return steps
 
 
 _QUANTIZED_OPS = {
@@ -255,15 +258,3 @@ def _warn_about_quantized(model: onnx.ModelProto, mode: str) -> None:
             PerformanceWarning,
             stacklevel=3,
         )
-
-
-def _check_file(path: Path, opset_version: int, dynamic_batch: bool, feeds: dict[str, np.ndarray]) -> None:
-    """The promises of an exported file, checked on the file: checker, opset, batch, a run."""
-    onnx.checker.check_model(str(path))
-    header = onnx.load_model(str(path), load_external_data=False)
-    _checks.check_declared_opset(header, opset_version)
-    _checks.run(path, feeds, optimized=True)
-    if dynamic_batch:
-        _checks.check_dynamic_batch(header)
-        bigger = {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()}
-        _checks.run(path, bigger, optimized=True)

@@ -8,8 +8,10 @@ and pooling are left as written.
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 
-from .._graph import constant_dims, is_default_domain
+from .._graph import is_default_domain
+from ._ir import constant_shape, is_default, nodes, on_proto
 
 
 def convs_missing_kernel_shape(graph: onnx.GraphProto) -> list[str]:
@@ -21,20 +23,24 @@ def convs_missing_kernel_shape(graph: onnx.GraphProto) -> list[str]:
     ]
 
 
-def add_conv_kernel_shape(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` in which every Conv whose weight is a constant has ``kernel_shape``.
+class AddConvKernelShapePass(ir.passes.InPlacePass):
+    """Add ``kernel_shape`` to every Conv (in any body) whose weight is a constant.
 
-    Existing attributes are never changed; weights are not loaded (only their dims are read).
+    Existing attributes are never changed, and weights are not loaded (only their dims are read).
     """
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    graph = result.graph
-    for node in graph.node:
-        if node.op_type != "Conv" or not is_default_domain(node) or len(node.input) < 2:
-            continue
-        if any(a.name == "kernel_shape" for a in node.attribute):
-            continue
-        dims = constant_dims(node.input[1], graph)
-        if dims is not None and len(dims) >= 3:
-            node.attribute.append(onnx.helper.make_attribute("kernel_shape", dims[2:]))
-    return result
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for node in nodes(model):
+            if node.op_type != "Conv" or not is_default(node) or len(node.inputs) < 2 or "kernel_shape" in node.attributes:
+                continue
+            dims = constant_shape(node.inputs[1])
+            if dims is not None and len(dims) >= 3:
+                node.attributes["kernel_shape"] = ir.AttrInt64s("kernel_shape", dims[2:])
+                modified = True
+        return ir.passes.PassResult(model, modified)
+
+
+def add_conv_kernel_shape(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Return a copy of ``model`` in which every Conv whose weight is a constant has ``kernel_shape``."""
+    return on_proto(AddConvKernelShapePass(), model)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 
-from .._graph import all_names, constants, consumers, is_default_domain, unique_name
+from .._graph import unique_name
 from ..errors import ExportRefusedError
-from .lower_opset import drop_unused_constants
+from ._ir import const_array, drop_unread_constants, is_default, nodes, on_proto, taken_names
 
 
 def _refuse(what: str) -> ExportRefusedError:
@@ -23,74 +23,77 @@ def _refuse(what: str) -> ExportRefusedError:
     )
 
 
-def activation_quantizers(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """QuantizeLinear nodes that quantize an activation (their input is not a constant)."""
-    consts = constants(graph)
-    return [
-        n for n in graph.node
-        if n.op_type == "QuantizeLinear" and is_default_domain(n) and n.input[0] not in consts
-    ]
+def _label(node: ir.Node) -> str:
+    return node.name or node.outputs[0].name or node.op_type
+
+
+class ActivationsToUint8Pass(ir.passes.InPlacePass):
+    """Give every activation pair (in any body) uint8 zero-point 128; already-uint8 pairs stay.
+
+    Raises :class:`ExportRefusedError` when an activation zero-point is not int8 0 (an affine
+    model), when a quantized activation is read without a DequantizeLinear, or is a graph output.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        taken = taken_names(model)
+        moved: dict[int, ir.Value] = {}  # id(old zero-point) -> its uint8 replacement
+        replaced: list[ir.Value] = []
+        for q in list(nodes(model)):
+            if q.op_type != "QuantizeLinear" or not is_default(q) or const_array(q.inputs[0]) is not None:
+                continue  # not a Q, or a weight's Q (QAT graphs quantize constants)
+            if len(q.inputs) < 3 or q.inputs[2] is None:
+                raise _refuse(f"node '{_label(q)}' omits its zero-point, and only zero-points that can be read are moved.")
+            zp_value = q.inputs[2]
+            zp = const_array(zp_value)
+            if zp is None:
+                raise _refuse(f"the zero-point of node '{_label(q)}' is not a graph constant.")
+            if zp.dtype in (np.uint8, np.uint16):
+                continue  # already unsigned (moved before, or quantized unsigned)
+            if zp.dtype != np.int8 or np.any(zp != 0):
+                raise _refuse(
+                    f"the zero-point of node '{_label(q)}' is {zp.dtype.name} {zp.reshape(-1)[:4].tolist()}, not int8 0 "
+                    f"(the model was quantized with symmetric=False)."
+                )
+            quantized = q.outputs[0]
+            if quantized.is_graph_output():
+                raise _refuse(f"the quantized output '{quantized.name}' of node '{_label(q)}' is a graph output.")
+            readers = [user for user, _ in quantized.uses()]
+            for reader, index in quantized.uses():
+                if reader.op_type != "DequantizeLinear" or index != 0:
+                    raise _refuse(f"node '{reader.name or reader.op_type}' reads '{quantized.name}' without dequantizing it.")
+            for dq in readers:
+                dq_zp = dq.inputs[2] if len(dq.inputs) >= 3 else None
+                if dq_zp is None or dq_zp is zp_value:
+                    continue  # an omitted zero-point is 0
+                values = const_array(dq_zp)
+                if values is None or np.any(values != 0):
+                    raise _refuse(f"node '{dq.name or dq.op_type}' dequantizes '{quantized.name}' with another zero-point than 0.")
+            if id(zp_value) not in moved:
+                fresh = ir.Value(name=unique_name(f"{zp_value.name}_uint8", taken),
+                                 const_value=ir.tensor(np.full(zp.shape, 128, dtype=np.uint8)))
+                model.graph.register_initializer(fresh)  # outer scope: visible to every body
+                moved[id(zp_value)] = fresh
+            fresh = moved[id(zp_value)]
+            replaced.append(zp_value)
+            q.replace_input_with(2, fresh)
+            for dq in readers:
+                if len(dq.inputs) < 3:
+                    dq.resize_inputs(3)
+                elif dq.inputs[2] is not None:
+                    replaced.append(dq.inputs[2])
+                dq.replace_input_with(2, fresh)
+            if "output_dtype" in q.attributes:
+                q.attributes["output_dtype"] = ir.AttrInt64("output_dtype", ir.DataType.UINT8)
+            # The exporter typed the quantized value INT8; let readers infer it from the nodes.
+            quantized.type = None
+            quantized.shape = None
+        drop_unread_constants(replaced)
+        return ir.passes.PassResult(model, bool(moved))
 
 
 def activations_to_uint8(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` whose activation pairs read uint8 zero-point 128.
+    """Return a copy of ``model`` whose activation pairs read uint8 zero-point 128 (idempotent).
 
-    Raises :class:`ExportRefusedError` when an activation zero-point is not 0 (an affine model),
-    when a quantized activation is read without a DequantizeLinear, or is a graph output.
-    Already-uint8 pairs are left alone, so the pass is idempotent.
+    See :class:`ActivationsToUint8Pass` for what is refused.
     """
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    graph = result.graph
-    consts = constants(graph)
-    readers = consumers(graph)
-    outputs = {o.name for o in graph.output}
-    taken = all_names(result)
-    new_zero_points: dict[str, str] = {}
-    moved: set[str] = set()
-    replaced: set[str] = set()
-    for q in activation_quantizers(graph):
-        label = q.name or q.output[0]
-        if len(q.input) < 3 or not q.input[2]:
-            raise _refuse(f"node '{label}' omits its zero-point, and only zero-points that can be read are moved.")
-        zp_name = q.input[2]
-        if zp_name not in consts:
-            raise _refuse(f"the zero-point of node '{label}' is not a graph constant.")
-        zp = numpy_helper.to_array(consts[zp_name])
-        if zp.dtype in (np.uint8, np.uint16):
-            continue  # already unsigned (moved before, or quantized unsigned)
-        if zp.dtype != np.int8 or np.any(zp != 0):
-            raise _refuse(
-                f"the zero-point of node '{label}' is {zp.dtype.name} {zp.reshape(-1)[:4].tolist()}, not int8 0 "
-                f"(the model was quantized with symmetric=False)."
-            )
-        if q.output[0] in outputs:
-            raise _refuse(f"the quantized output '{q.output[0]}' of node '{label}' is a graph output.")
-        dqs = readers.get(q.output[0], [])
-        for reader in dqs:
-            if reader.op_type != "DequantizeLinear" or reader.input[0] != q.output[0]:
-                raise _refuse(f"node '{reader.name or reader.op_type}' reads '{q.output[0]}' without dequantizing it.")
-        if zp_name not in new_zero_points:
-            name = unique_name(f"{zp_name}_uint8", taken)
-            graph.initializer.append(numpy_helper.from_array(np.full(zp.shape, 128, dtype=np.uint8), name))
-            new_zero_points[zp_name] = name
-        for dq in dqs:
-            dq_zp = dq.input[2] if len(dq.input) >= 3 else ""
-            if dq_zp != zp_name and (
-                dq_zp not in consts or np.any(numpy_helper.to_array(consts[dq_zp]).astype(np.int64) != 0)
-            ):
-                raise _refuse(f"node '{dq.name or dq.op_type}' dequantizes '{q.output[0]}' with another zero-point than 0.")
-            replaced.add(dq_zp)
-            while len(dq.input) < 3:
-                dq.input.append("")
-            dq.input[2] = new_zero_points[zp_name]
-        q.input[2] = new_zero_points[zp_name]
-        replaced.add(zp_name)
-        moved.add(q.output[0])
-    # The exporter typed the quantized values INT8 in value_info; drop those entries and let
-    # consumers infer the type from the nodes.
-    keep = [v for v in graph.value_info if v.name not in moved]
-    del graph.value_info[:]
-    graph.value_info.extend(keep)
-    drop_unused_constants(result, replaced - {''})
-    return result
+    return on_proto(ActivationsToUint8Pass(), model)

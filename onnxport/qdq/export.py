@@ -7,20 +7,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import onnx
+from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
-from .. import _checks
-from .._graph import opset_of
-from .._io import check_output_path, staged_output, write_model
+from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
-from ..passes import (
-    activations_to_uint8,
-    add_conv_kernel_shape,
-    fold_weight_transpose,
-    lower_opset,
-    strip_unused_opsets,
-)
+from ..passes.conv_kernel_shape import AddConvKernelShapePass
+from ..passes.fold_weight_transpose import FoldWeightTransposePass
+from ..passes.lower_opset import LowerOpsetPass
+from ..passes.uint8_activations import ActivationsToUint8Pass
+from ..pipeline import Pipeline, Step
 from .checks import (
     activation_zero_points,
     captured_with_dynamic_batch,
@@ -147,54 +142,59 @@ def export_qdq(
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=4, desc="export_qdq", leave=False, disable=None)
-    with staged_output(target) as staged, bar:
+    with staged_output(target) as staged, tqdm(total=4, desc="export_qdq", leave=False, disable=None) as bar:
+        pipeline = Pipeline(feeds, scratch=staged.parent)
         with eval_mode(model):
-            produced = torch_program(
+            graph = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
                 dynamic_batch=dynamic_batch, custom_translation_table=translation_table(),
-            ).model_proto
+            ).model
+        pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
-        check_standard_qdq(produced)
-        check_faithful(produced, expected)
-        graph = produced
-        if opset_of(produced) > opset_version:
-            graph = lower_opset(produced, opset_version)
-            _checks.check_lowered(graph, produced, feeds, scratch=staged.parent)
-        folded = fold_weight_transpose(graph)
-        if folded.graph.node != graph.graph.node:
-            _checks.check_identical_outputs(
-                _checks.run(folded, feeds, optimized=False, scratch=staged.parent),
-                _checks.run(graph, feeds, optimized=False, scratch=staged.parent),
-                "The graph with weight transposes folded",
-            )
-            graph = folded
-        graph = strip_unused_opsets(add_conv_kernel_shape(graph))
+        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype))
         bar.update()
-        _checks.check_declared_opset(graph, opset_version)
-        if spec is not None and spec.placement == "skip_conv_add" and qdq_stats(graph).n_unquantized_conv_add == 0:
-            raise ExportRefusedError(
-                "The model records qdq_placement='skip_conv_add', but in the exported graph every Add reads its "
-                "inputs through a Q/DQ pair; nothing was kept."
-            )
-        if activation_dtype == "uint8":
-            graph = _to_uint8_checked(graph, feeds, staged.parent)
+        pipeline.write(graph, staged)
         bar.update()
-        write_model(graph, staged)
-        onnx.checker.check_model(str(staged))
-        if preset is not None:
-            problems = check_target(staged, preset)
+        pipeline.prove_file(staged, opset=opset_version, dynamic_batch=dynamic_batch,
+                            rules=_record_rules(spec, preset))
+        bar.update()
+    return target
+
+
+def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
+    """The graph steps of :func:`export_qdq`, in order, each with its proof."""
+    steps = [
+        Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
+        Step("fold weight transposes", FoldWeightTransposePass(), "identical outputs"),
+        Step("add Conv kernel_shape", AddConvKernelShapePass(), "checker"),
+        Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"),
+    ]
+    if activation_dtype == "uint8":
+        steps.append(Step("move activations to uint8", ActivationsToUint8Pass(), "identical outputs"))
+    return steps
+
+
+def _record_rules(spec: Any, preset: str | None) -> list:
+    """The file rules the model's record implies: its placement, and its target's rules."""
+    rules = []
+    if spec is not None and spec.placement == "skip_conv_add":
+        def placement(path: Path) -> None:
+            if qdq_stats(path).n_unquantized_conv_add == 0:
+                raise ExportRefusedError(
+                    "The model records qdq_placement='skip_conv_add', but in the exported graph every Add reads its "
+                    "inputs through a Q/DQ pair; nothing was kept."
+                )
+        rules.append(placement)
+    if preset is not None:
+        def target_rules(path: Path) -> None:
+            problems = check_target(path, preset)
             if problems:
                 raise ExportRefusedError(
                     f"The exported file breaks target '{preset}': " + " ".join(problems[:5])
                     + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + " Nothing was kept."
                 )
-        _checks.run(staged, feeds, optimized=True)
-        if dynamic_batch:
-            _checks.check_dynamic_batch(onnx.load_model(str(staged), load_external_data=False))
-            _checks.run(staged, {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()}, optimized=True)
-        bar.update()
-    return target
+        rules.append(target_rules)
+    return rules
 
 
 def _export_weight_only_checked(
@@ -257,19 +257,3 @@ def _count_outputs(model: Any, inputs: tuple) -> int:
         return sum(1 for leaf in leaves if isinstance(leaf, torch.fx.Node))
     with torch.no_grad():
         return len(flatten_outputs(model(*inputs)))
-
-
-def _to_uint8_checked(graph: onnx.ModelProto, feeds: dict[str, np.ndarray], scratch: Path) -> onnx.ModelProto:
-    """Move activations to uint8 and prove it: checker, byte-identical unoptimised run, default run."""
-    moved = activations_to_uint8(graph)
-    try:
-        onnx.checker.check_model(moved, full_check=True)
-    except onnx.checker.ValidationError as error:
-        raise ExportRefusedError(f"The uint8 graph fails onnx.checker: {error}; nothing was kept.") from error
-    _checks.check_identical_outputs(
-        _checks.run(moved, feeds, optimized=False, scratch=scratch),
-        _checks.run(graph, feeds, optimized=False, scratch=scratch),
-        "The graph with uint8 activations",
-    )
-    _checks.run(moved, feeds, optimized=True, scratch=scratch)
-    return moved

@@ -352,11 +352,9 @@ def _slim_around_weights(model: ir.Model, weights: list[QuantizedWeight]) -> ir.
         value = graph.initializers.pop(name)
         lifted[name], value.const_value = value.const_value, None
         graph.inputs.append(value)
-    proto = ir.serde.serialize_model(model)  # ``model`` is left lifted: the caller drops it
-    from ..export import _optimize
+    from ..passes.optimize import OnnxSlimPass
 
-    slimmed = ir.serde.deserialize_model(_optimize(proto))
-    del proto
+    slimmed = OnnxSlimPass()(model).model  # ``model`` is left lifted: the caller drops it
     inputs = {v.name: v for v in slimmed.graph.inputs}
     for name, tensor in lifted.items():
         value = inputs.get(name)

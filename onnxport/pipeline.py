@@ -1,0 +1,122 @@
+"""The export pipeline both exporters run: named graph steps, each with its proof, then the
+file's proofs, with the file written once.
+
+A step is an ``onnx_ir`` pass and the proof that its result still computes what the exporter
+produced: ``'identical outputs'`` (ONNX Runtime, unoptimised, byte for byte against the
+reference outputs, which are computed once) or ``'checker'`` (``onnx.checker`` with shape
+inference, for rewrites that change no value). A step that changes nothing is not proven again.
+A refusal names its step. After the file is written, :meth:`Pipeline.prove_file` checks it as
+the user will read it: the checker, the declared opset, a target's rules, and runs at ONNX
+Runtime's default level (at two batch sizes when the batch is dynamic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from . import _checks
+from ._io import write_model
+from .errors import ExportRefusedError
+
+PROOFS = ("identical outputs", "checker")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One named rewrite of the graph and how its result is proven (one of :data:`PROOFS`)."""
+
+    name: str
+    rewrite: ir.passes.PassBase
+    proof: str = "identical outputs"
+
+    def __post_init__(self) -> None:
+        assert self.proof in PROOFS, f"unknown proof {self.proof!r}"
+
+
+@dataclass
+class Pipeline:
+    """Runs :class:`Step` lists against one set of reference outputs.
+
+    Args:
+        feeds: the sample, by graph input name, that every run uses.
+        scratch: a folder for models over protobuf's 2 GB limit, which can only be run from files.
+    """
+
+    feeds: Mapping[str, np.ndarray]
+    scratch: Path
+    reference: list[np.ndarray] | None = None
+    #: ONNX Runtime sessions this pipeline created (the benchmark reports it).
+    sessions: int = 0
+    #: the steps that changed the graph, in order.
+    changed: list[str] = field(default_factory=list)
+
+    def _run(self, model: onnx.ModelProto | Path, *, optimized: bool, feeds=None) -> list[np.ndarray]:
+        self.sessions += 1
+        return _checks.run(model, self.feeds if feeds is None else feeds, optimized=optimized, scratch=self.scratch)
+
+    def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = ()) -> None:
+        """Check the graph as the exporter produced it and compute the reference outputs from it."""
+        proto = ir.to_proto(produced)
+        for proof in proofs:
+            proof(proto)
+        self.reference = self._run(proto, optimized=False)
+
+    def apply(self, model: ir.Model, steps: Sequence[Step]) -> ir.Model:
+        """Run ``steps`` in order on ``model``, proving each one that changes it."""
+        for step in steps:
+            try:
+                result = step.rewrite(model)
+            except ExportRefusedError as error:
+                raise ExportRefusedError(f"Step '{step.name}': {error}") from error
+            model = result.model
+            if not result.modified:
+                continue
+            self.changed.append(step.name)
+            proto = ir.to_proto(model)
+            if step.proof == "checker":
+                self._checker(proto, step.name)
+            else:
+                if self.reference is None:
+                    raise AssertionError("Pipeline.start must run before a step proven by identical outputs")
+                self._checker(proto, step.name)
+                _checks.check_identical_outputs(self._run(proto, optimized=False), self.reference, f"Step '{step.name}'")
+        return model
+
+    def _checker(self, proto: onnx.ModelProto, name: str) -> None:
+        source = _checks._source(proto, self.scratch, "checked.onnx")
+        try:
+            onnx.checker.check_model(proto if isinstance(source, bytes) else source, full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+            raise ExportRefusedError(f"Step '{name}': the graph fails onnx.checker: {error}; nothing was kept.") from error
+
+    def write(self, model: ir.Model, path: Path, *, external_data: bool | None = None) -> Path:
+        """Write the final graph once (inside :func:`onnxport._io.staged_output`)."""
+        return write_model(ir.to_proto(model), path, external_data=external_data)
+
+    def prove_file(
+        self,
+        path: Path,
+        *,
+        opset: int,
+        dynamic_batch: bool,
+        rules: Iterable[Callable[[Path], None]] = (),
+    ) -> None:
+        """The written file's promises: checker, declared opset, ``rules``, default-level runs."""
+        try:
+            onnx.checker.check_model(str(path))
+        except onnx.checker.ValidationError as error:
+            raise ExportRefusedError(f"The written file fails onnx.checker: {error}; nothing was kept.") from error
+        header = onnx.load_model(str(path), load_external_data=False)
+        _checks.check_declared_opset(header, opset)
+        for rule in rules:
+            rule(path)
+        self._run(path, optimized=True)
+        if dynamic_batch:
+            _checks.check_dynamic_batch(header)
+            self._run(path, optimized=True, feeds={k: np.concatenate([v, v[:1]]) for k, v in self.feeds.items()})
