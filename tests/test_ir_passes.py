@@ -1,0 +1,209 @@
+"""Every graph pass on a hand-built model with If and Loop bodies: the bodies read outer
+initializers and repeat each other's value names. Each pass must rewrite the bodies too, keep
+what the main graph still reads, pass the checker, compute the same bytes, be idempotent, and
+say honestly whether it changed anything. Then the pipeline that runs them."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxport._checks import run
+from onnxport.errors import ExportRefusedError
+from onnxport.passes.conv_kernel_shape import AddConvKernelShapePass
+from onnxport.passes.lower_opset import LowerOpsetPass
+from onnxport.passes.strip_unused_opsets import strip_unused_opsets
+from onnxport.passes.uint8_activations import ActivationsToUint8Pass
+from onnxport.pipeline import Pipeline, Step
+
+RNG = np.random.default_rng(0)
+FLOAT = TensorProto.FLOAT
+
+
+def _c(name, array):
+    return numpy_helper.from_array(np.asarray(array), name)
+
+
+def _if_model(branch_nodes, inits, x_shape, out_shape, main_nodes=(), main_outputs=(), opset=18, domains=()):
+    """``If(flag)`` whose two branches are ``branch_nodes(prefix)`` ending in the value 'same'."""
+    def branch(prefix):
+        return helper.make_graph(branch_nodes(prefix), prefix, [], [helper.make_tensor_value_info("same", FLOAT, out_shape)])
+
+    nodes = [helper.make_node("If", ["flag"], ["picked"], then_branch=branch("then"), else_branch=branch("else")),
+             *main_nodes]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", FLOAT, x_shape), helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("picked", FLOAT, out_shape), *main_outputs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), *domains])
+
+
+def _same_bytes(a: onnx.ModelProto, b: onnx.ModelProto, x_shape) -> None:
+    for flag in (True, False):
+        feeds = {"x": RNG.standard_normal(x_shape).astype(np.float32), "flag": np.array(flag)}
+        got, want = run(a, feeds, optimized=False), run(b, feeds, optimized=False)
+        assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+
+
+def _apply(pass_, proto):
+    """The pass on a fresh ir model of ``proto``: (result proto, modified, modified on a second run)."""
+    model = ir.from_proto(proto)
+    first = pass_(model).modified
+    second = pass_(model).modified
+    return ir.to_proto(model), first, second
+
+
+def _body_nodes(model: onnx.ModelProto):
+    return [n for node in model.graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH for n in a.g.node]
+
+
+def test_kernel_shape_reaches_if_bodies():
+    inits = [_c("w", RNG.integers(-127, 128, (4, 3, 3, 3)).astype(np.int8)), _c("ws", np.full(4, 0.02, np.float32)),
+             _c("wz", np.zeros(4, np.int8))]
+
+    def body(p):
+        return [helper.make_node("DequantizeLinear", ["w", "ws", "wz"], [f"{p}_w"], axis=0),
+                helper.make_node("Conv", ["x", f"{p}_w"], ["same"], pads=[1, 1, 1, 1], name=f"{p}_conv")]
+
+    model = _if_model(body, inits, [1, 3, 6, 6], [1, 4, 6, 6])
+    patched, first, second = _apply(AddConvKernelShapePass(), model)
+    assert (first, second) == (True, False)
+    convs = [n for n in _body_nodes(patched) if n.op_type == "Conv"]
+    assert len(convs) == 2 and all(helper.get_attribute_value(a) == [3, 3] for n in convs for a in n.attribute if a.name == "kernel_shape")
+    onnx.checker.check_model(patched, full_check=True)
+    _same_bytes(patched, model, (1, 3, 6, 6))
+
+
+def test_uint8_reaches_if_bodies_and_shares_one_zero_point():
+    inits = [_c("s", np.float32(0.05)), _c("zp", np.int8(0))]
+
+    def body(p):
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_q"], name=f"{p}_q"),
+                helper.make_node("DequantizeLinear", [f"{p}_q", "s", "zp"], [f"{p}_dq"]),
+                helper.make_node("Relu", [f"{p}_dq"], ["same"])]
+
+    # the main graph reads the int8 zero-point too, through a weight pair that must stay int8
+    main = [helper.make_node("DequantizeLinear", ["wq", "s", "zp"], ["wd"]),
+            helper.make_node("ReduceSum", ["wd"], ["total"], keepdims=0)]
+    model = _if_model(body, [*inits, _c("wq", np.arange(-4, 4, dtype=np.int8))], [2, 5], [2, 5], main,
+                      [helper.make_tensor_value_info("total", FLOAT, [])])
+    moved, first, second = _apply(ActivationsToUint8Pass(), model)
+    assert (first, second) == (True, False)
+    consts = {t.name: numpy_helper.to_array(t) for t in moved.graph.initializer}
+    zps = {n.input[2] for n in _body_nodes(moved) if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    assert len(zps) == 1 and consts[zps.pop()].dtype == np.uint8
+    assert consts["zp"].dtype == np.int8  # still read by the weight pair in the main graph
+    onnx.checker.check_model(moved, full_check=True)
+    _same_bytes(moved, model, (2, 5))
+
+
+def test_uint8_refusal_in_a_body_names_the_node():
+    inits = [_c("s", np.float32(0.05)), _c("zp", np.int8(3))]
+
+    def body(p):
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_q"], name=f"{p}_q"),
+                helper.make_node("DequantizeLinear", [f"{p}_q", "s", "zp"], ["same"])]
+
+    with pytest.raises(ExportRefusedError, match="zero-point of node '(then|else)_q' is int8 \\[3\\]"):
+        ActivationsToUint8Pass()(ir.from_proto(_if_model(body, inits, [2, 5], [2, 5])))
+
+
+def test_lowering_reaches_if_and_loop_bodies_and_drops_the_outer_axes_once_unread():
+    inits = [_c("axes", np.array([1], np.int64))]
+
+    def body(p):
+        return [helper.make_node("ReduceMean", ["x", "axes"], ["same"], keepdims=1, name=f"{p}_mean")]
+
+    # a Loop whose body splits its state with num_outputs (opset 18's form) along a known axis
+    loop_body = helper.make_graph(
+        [helper.make_node("Split", ["state_in"], ["a", "b"], axis=1, num_outputs=2, name="loop_split"),
+         helper.make_node("Concat", ["b", "a"], ["state_out"], axis=1),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "loop", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("state_in", FLOAT, [2, 6])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("state_out", FLOAT, [2, 6])])
+    main = [helper.make_node("Loop", ["trips", "", "x"], ["swapped"], body=loop_body)]
+    model = _if_model(body, [*inits, _c("trips", np.array(3, np.int64))], [2, 6], [2, 1], main,
+                      [helper.make_tensor_value_info("swapped", FLOAT, [2, 6])])
+    lowered, first, second = _apply(LowerOpsetPass(17), model)
+    assert (first, second) == (True, False)
+    assert lowered.opset_import[0].version == 17
+    assert "axes" not in {t.name for t in lowered.graph.initializer}
+    means = [n for n in _body_nodes(lowered) if n.op_type == "ReduceMean"]
+    assert len(means) == 2 and all(list(n.input) == ["x"] for n in means)
+    split = next(n for n in _body_nodes(lowered) if n.op_type == "Split")
+    assert not any(a.name == "num_outputs" for a in split.attribute) and len(split.input) == 2
+    onnx.checker.check_model(lowered, full_check=True)
+    _same_bytes(lowered, model, (2, 6))
+
+
+def test_opsets_used_only_in_a_body_are_kept():
+    def body(p):
+        return [helper.make_node("Gelu", ["x"], ["same"], domain="com.microsoft")]
+
+    model = _if_model(body, [], [2, 3], [2, 3], domains=[helper.make_opsetid("com.microsoft", 1),
+                                                          helper.make_opsetid("ai.onnx.ml", 3)])
+    stripped = strip_unused_opsets(model)
+    assert sorted(e.domain for e in stripped.opset_import) == ["", "com.microsoft"]
+    assert len(model.opset_import) == 3  # input untouched
+
+
+# -- the pipeline ------------------------------------------------------------------------------------
+class _NudgeWeight(ir.passes.InPlacePass):
+    """A rewrite that is not exact: it changes one weight value (what the proof must catch)."""
+
+    def call(self, model):
+        value = model.graph.initializers["w"]
+        value.const_value = ir.tensor(value.const_value.numpy() + np.float32(1e-3))
+        return ir.passes.PassResult(model, True)
+
+
+def _matmul_model() -> ir.Model:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]),
+         helper.make_node("ReduceMean", ["m", "axes"], ["y"], keepdims=0, name="mean")],
+        "g", [helper.make_tensor_value_info("x", FLOAT, [2, 3])], [helper.make_tensor_value_info("y", FLOAT, [2])],
+        [_c("w", RNG.standard_normal((3, 4)).astype(np.float32)), _c("axes", np.array([1], np.int64))])
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+FEEDS = {"x": RNG.standard_normal((2, 3)).astype(np.float32)}
+
+
+def test_pipeline_proves_only_the_steps_that_change_the_graph(tmp_path):
+    pipeline = Pipeline(FEEDS, scratch=tmp_path)
+    model = _matmul_model()
+    pipeline.start(model)
+    steps = [Step("lower to opset 17", LowerOpsetPass(17)), Step("lower again", LowerOpsetPass(17)),
+             Step("kernel shapes", AddConvKernelShapePass(), "checker")]
+    model = pipeline.apply(model, steps)
+    assert pipeline.changed == ["lower to opset 17"]
+    assert pipeline.sessions == 2  # the reference once, the one changing step once
+    assert model.opset_imports[""] == 17
+
+
+def test_pipeline_refuses_an_inexact_step_by_name_and_a_pass_refusal_too(tmp_path):
+    pipeline = Pipeline(FEEDS, scratch=tmp_path)
+    model = _matmul_model()
+    pipeline.start(model)
+    with pytest.raises(ExportRefusedError, match="Step 'nudge': output 0 differs from the graph as produced"):
+        pipeline.apply(model, [Step("nudge", _NudgeWeight())])
+    model = _matmul_model()
+    model.graph.node(1).replace_input_with(1, model.graph.node(0).outputs[0])  # axes computed at run time
+    with pytest.raises(ExportRefusedError, match="Step 'lower to opset 17': Cannot lower .* computed while the graph runs"):
+        pipeline.apply(model, [Step("lower to opset 17", LowerOpsetPass(17))])
+
+
+def test_pipeline_file_proofs_refuse_a_wrong_opset(tmp_path):
+    pipeline = Pipeline(FEEDS, scratch=tmp_path)
+    model = _matmul_model()
+    path = pipeline.write(model, tmp_path / "m.onnx")
+    pipeline.prove_file(path, opset=18, dynamic_batch=False)
+    with pytest.raises(ExportRefusedError, match="declares opset 18, not the requested 17"):
+        pipeline.prove_file(path, opset=17, dynamic_batch=False)
+    with pytest.raises(ExportRefusedError, match="batch dimension of x, y is fixed"):
+        pipeline.prove_file(path, opset=18, dynamic_batch=True)
