@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from onnxport._io import write_text_atomic
+
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only")
 HERE = Path(__file__).resolve().parent
 
@@ -58,7 +60,7 @@ def main(only: list[str] | None = None) -> int:
         results[name] = module.run()
         print(module.report(results[name]))
         print(f"  ({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
-    (HERE / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_text_atomic(HERE / "results.json", json.dumps(results, indent=2, default=str))
     print(f"wrote {HERE / 'results.json'}")
     if _chart(results, HERE / "latency_ratios.png"):
         print(f"wrote {HERE / 'latency_ratios.png'}")

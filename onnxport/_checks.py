@@ -62,7 +62,17 @@ def run(
     optimized: bool,
     scratch: Path | None = None,
 ) -> list[np.ndarray]:
-    return make_session(_source(model, scratch, "run.onnx"), optimized=optimized).run(None, dict(feeds))
+    """Run ``model`` once in ONNX Runtime on CPU; a model it cannot load or run is a refusal."""
+    source = _source(model, scratch, "run.onnx")
+    level = "default" if optimized else "unoptimised"
+    try:
+        session = make_session(source, optimized=optimized)
+        return session.run(None, dict(feeds))
+    except Exception as error:  # noqa: BLE001 - ORT's pybind errors share no base class worth naming
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ExportRefusedError(
+            f"ONNX Runtime cannot run the graph at its {level} level: {first}; nothing was kept."
+        ) from error
 
 
 def check_identical_outputs(

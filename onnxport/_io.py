@@ -334,12 +334,12 @@ def staged_output(output_path: str | os.PathLike) -> Iterator[Path]:
         staged = stage / target.name
         yield staged
         if not staged.is_file():
-            raise RuntimeError(f"The staged model '{staged}' was never written.")
+            raise AssertionError(f"The staged model '{staged}' was never written.")  # a writer's bug
         # Only the model and the external data it names leave the stage; scratch files the block
         # wrote beside them are dropped with it. Data first, the model last: the model commits.
         for item in external_data_files(staged):
             if item.parent != stage or not item.is_file():
-                raise RuntimeError(f"The staged model refers to external data '{item}' outside its stage.")
+                raise AssertionError(f"The staged model refers to external data '{item}' outside its stage.")
             os.replace(item, directory / item.name)
         os.replace(staged, target)
     except OSError as error:

@@ -1,8 +1,8 @@
 """The ``onnxport`` command line.
 
 Exit codes: 0 success, 2 bad usage (arguments or input files the command cannot act on), 1
-refusal (onnxport declined to write a file that would break a promise). Messages go to stderr, without a traceback
-unless ``--debug`` is given.
+refusal (onnxport declined to write a file that would break a promise), 3 an error onnxport did not
+expect, 130 interrupted. Messages go to stderr, without a traceback unless ``--debug`` is given.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -37,19 +38,36 @@ def _names(text: str | None) -> list[str] | None:
     return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
+def _input_file(path: str, what: str) -> Path:
+    """A file the user named, or a usage error saying what is wrong with it."""
+    file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"{what} '{path}' is a directory; give the file inside it.")
+    if not file.is_file():
+        raise UsageError(f"{what} '{path}' does not exist.")
+    if file.stat().st_size == 0:
+        raise UsageError(f"{what} '{path}' is empty.")
+    return file
+
+
 def load_model(spec: str) -> Any:
     """``package.module:callable`` returning an nn.Module, or a saved ``torch.export`` program (``.pt2``)."""
     import torch
 
     if spec.endswith(".pt2"):
-        if not Path(spec).is_file():
-            raise UsageError(f"MODEL '{spec}' does not exist.")
+        _input_file(spec, "MODEL")
         import torch.ao.quantization.fx._decomposed  # registers the ops a saved pt2e program calls
 
+        logger = logging.getLogger("torch.export")  # it logs a traceback for an unreadable archive
+        level, logger.level = logger.level, logging.CRITICAL
         try:
             return torch.export.load(spec).module()
-        except RuntimeError as error:
-            raise UsageError(f"MODEL '{spec}' could not be loaded as a torch.export program: {error}") from None
+        except Exception as error:  # noqa: BLE001 - torch raises zip, pickle and runtime errors alike
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UsageError(f"MODEL '{spec}' could not be loaded as a torch.export program "
+                             f"(truncated, or not saved with torch.export.save?): {first}") from None
+        finally:
+            logger.setLevel(level)
     if ":" not in spec:
         raise UsageError(f"MODEL '{spec}' must be 'package.module:callable' or a .pt2 file saved with torch.export.save.")
     module_name, _, attr = spec.partition(":")
@@ -61,7 +79,13 @@ def load_model(spec: str) -> Any:
     factory = getattr(module, attr, None)
     if factory is None:
         raise UsageError(f"MODEL '{spec}': '{module_name}' has no '{attr}'.")
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
+    if callable(factory) and not isinstance(factory, torch.nn.Module):
+        try:
+            model = factory()
+        except Exception as error:  # noqa: BLE001 - the user's own code failed; say so, without a traceback
+            raise UsageError(f"MODEL '{spec}': calling '{attr}()' raised {type(error).__name__}: {error}") from error
+    else:
+        model = factory
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"MODEL '{spec}' gave a {type(model).__name__}, not a torch.nn.Module.")
     return model.eval()
@@ -93,16 +117,17 @@ def _calibration(source: str | None, sample: tuple, batch_size: int) -> list[tup
         )
         generator = torch.Generator().manual_seed(1)
         return [tuple(torch.randn(batch_size, *t.shape[1:], generator=generator) for t in sample) for _ in range(4)]
-    path = Path(source)
-    if not path.is_file():
-        raise UsageError(f"--calibration '{source}' does not exist.")
-    if path.suffix == ".npy":
-        arrays = [np.load(path)]
-    elif path.suffix == ".npz":
-        with np.load(path) as data:
-            arrays = [data[k] for k in data.files]
-    else:
+    path = _input_file(source, "--calibration")
+    if path.suffix not in (".npy", ".npz"):
         raise UsageError(f"--calibration '{source}' must be a .npy or .npz file (one array per input).")
+    try:
+        if path.suffix == ".npy":
+            arrays = [np.load(path)]
+        else:
+            with np.load(path) as data:
+                arrays = [data[k] for k in data.files]
+    except Exception as error:  # noqa: BLE001 - numpy raises value, OS, pickle and zip errors alike
+        raise UsageError(f"--calibration '{source}' is not a readable {path.suffix} file: {error}") from None
     if len(arrays) != len(sample):
         raise UsageError(f"--calibration holds {len(arrays)} array(s) but the model takes {len(sample)} input(s).")
     n = arrays[0].shape[0]
@@ -340,6 +365,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"onnxport {args.command}: refused: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"onnxport {args.command}: interrupted; no output was kept.", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the promise is: no traceback without --debug
+        if args.debug:
+            raise
+        print(f"onnxport {args.command}: failed on an error onnxport did not expect: {type(error).__name__}: "
+              f"{error}. Run again with --debug for the traceback, and please report it.", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":  # pragma: no cover

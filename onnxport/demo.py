@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._graph import opset_of
+from ._io import write_text_atomic
 
 CLASSES = ("disc", "square", "cross", "stripes", "ring")
 
@@ -191,7 +192,7 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
     # AIMET round trip: the Q/DQ file's encodings, written as a 2.0.0 file, rebuild the same file.
     qdq = onnx.load(str(out / "qdq_int8.onnx"))
     encodings = onnx_qdq_to_encodings(qdq)
-    (out / "qdq_int8.encodings").write_text(json.dumps(encodings, indent=1))
+    write_text_atomic(out / "qdq_int8.encodings", json.dumps(encodings, indent=1))
     save_model(strip_qdq(qdq), out / "float_from_qdq.onnx")
     rebuilt = encodings_to_onnx_qdq(out / "float_from_qdq.onnx", out / "qdq_int8.encodings", prequantize_constants=True,
                                     force_activation_as=None, derive_data_movement=False)
@@ -207,7 +208,7 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
     for row in rows.values():
         row["speedup_vs_fp32"] = base / row["latency_ms"]
     report["seconds"] = time.perf_counter() - started
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2, default=str))
     return report
 
 

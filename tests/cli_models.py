@@ -29,3 +29,8 @@ def tiny_lm() -> nn.Module:
 
 
 not_a_model = 42
+
+
+def failing_factory():
+    """A MODEL callable whose own code fails (a missing checkpoint, say)."""
+    raise FileNotFoundError("weights.pt not found")

@@ -82,6 +82,8 @@ def test_qdq_weight_only_int4_from_token_ids(tmp_path):
         (["export", "tests.cli_models:tiny", "-o", "x.onnx"], "--input-shape"),
         (["export", "tests.cli_models", "--input-shape", "1,3,8,8", "-o", "x.onnx"], "package.module:callable"),
         (["export", "tests.cli_models:not_a_model", "--input-shape", "1,3,8,8", "-o", "x.onnx"], "not a torch.nn.Module"),
+        (["export", "tests.cli_models:failing_factory", "--input-shape", "1,3,8,8", "-o", "x.onnx"],
+         "calling 'failing_factory()' raised FileNotFoundError: weights.pt not found"),
         (["export", "tests.cli_models:tiny", "--input-shape", "1,a", "-o", "x.onnx"], "is not a shape"),
         (["qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", "x.onnx"], "--calibration"),
         (["stats", "missing.onnx"], "does not exist"),
@@ -168,3 +170,27 @@ def test_debug_and_verify_name_a_broken_file_too(tmp_path):
         result = onnxport(*args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert "truncated.onnx" in result.stderr or "empty.onnx" in result.stderr
+
+
+def test_broken_model_and_calibration_files_are_named_usage_errors(tmp_path):
+    """The MODEL (.pt2) and --calibration inputs get the same contract as the ONNX files."""
+    (tmp_path / "empty.pt2").write_bytes(b"")
+    (tmp_path / "corrupt.pt2").write_bytes(b"PK\x03\x04 not a zip archive")
+    (tmp_path / "folder.pt2").mkdir()
+    (tmp_path / "bad.npy").write_bytes(b"\x93NUMPY garbage")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    cases = {
+        "empty.pt2": "is empty", "corrupt.pt2": "could not be loaded as a torch.export program",
+        "folder.pt2": "is a directory", "missing.pt2": "does not exist",
+    }
+    out = tmp_path / "x.onnx"
+    for name, message in cases.items():
+        path = str(tmp_path / name)
+        result = onnxport("export", path, "--input-shape", "1,3,8,8", "-o", str(out))
+        assert result.returncode == 2 and message in result.stderr and path in result.stderr, (name, result.stderr)
+        assert "Traceback" not in result.stderr
+    for name in ("bad.npy", "bad.npz", "missing.npz"):
+        path = str(tmp_path / name)
+        result = onnxport("qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out), "--calibration", path)
+        assert result.returncode == 2 and path in result.stderr and "Traceback" not in result.stderr, (name, result.stderr)
+    assert not out.exists()
