@@ -10,6 +10,7 @@ import onnx
 
 from .._graph import all_constants, producers, tensor_value, walk_graphs
 from ..errors import InvalidArgumentError
+from ..qdq.view import qdq_nodes
 from .formats import DTYPES, layout_param
 
 _MARK = "onnxport: encodes "
@@ -44,59 +45,61 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
     consts = all_constants(model)
     entries: list[dict] = []
     version = "2.0.0"
-    for graph in walk_graphs(model.graph):
-        made_by = producers(graph)
-        outputs = {o.name for o in graph.output}
-        scale_nodes = {n.input[1] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
-        for node in graph.node:
-            if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx") or node.output[0] in scale_nodes:
-                continue
-            source = made_by.get(node.input[0])
-            if node.doc_string.startswith(_MARK):
-                name = node.doc_string[len(_MARK):]
-            elif source is not None and source.op_type == "QuantizeLinear":
-                name = node.output[0] if node.output[0] in outputs else source.input[0]
-            else:
-                name = node.input[0]
-            if any(e["name"] == name for e in entries):
-                continue  # a second DQ reader of the same quantized tensor
-            entry: dict[str, Any] = {"name": name}
-            zp = consts.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-            entry["output_dtype"] = _BY_ONNX_TYPE.get(zp.data_type if zp is not None else consts[node.input[0]].data_type, "uint8")
-            attrs = {a.name: a.i for a in node.attribute}
-            scale_producer = made_by.get(node.input[1])
-            if node.input[1] in consts:
-                scale = tensor_value(consts[node.input[1]], base)
-                entry["y_scale"] = _plain(scale)
-            elif scale_producer is not None and scale_producer.op_type == "DequantizeLinear":
-                version = "2.1.0"
-                meta_attrs = {a.name: a.i for a in scale_producer.attribute}
-                meta: dict[str, Any] = {
-                    "x": _plain(tensor_value(consts[scale_producer.input[0]], base)),
-                    "x_scale": _plain(tensor_value(consts[scale_producer.input[1]], base)),
-                    "input_dtype": _BY_ONNX_TYPE[consts[scale_producer.input[0]].data_type],
-                }
-                if len(scale_producer.input) > 2 and scale_producer.input[2]:
-                    x_zp = tensor_value(consts[scale_producer.input[2]], base)
-                    if np.any(x_zp.astype(np.int64)):
-                        meta["x_zero_point"] = _plain(x_zp)
-                for key in ("axis", "block_size"):
-                    if key in meta_attrs and (key == "block_size" or np.size(meta["x_scale"]) > 1):
-                        meta[key] = meta_attrs[key]
-                entry["y_scale"] = meta
-                scale = np.asarray(meta["x"])
-            else:
-                raise InvalidArgumentError(f"The scale of DequantizeLinear '{node.name}' is computed at run time; it has no encoding.")
-            if zp is not None:
-                values = tensor_value(zp, base)
-                if DTYPES[entry["output_dtype"]].qmin is not None and np.any(values.astype(np.int64)):
-                    entry["y_zero_point"] = _plain(values)
-            if "block_size" in attrs:
-                entry["axis"] = attrs.get("axis", 1)
-                entry["block_size"] = attrs["block_size"]
-            elif np.size(scale) > 1:
-                entry["axis"] = attrs.get("axis", 1)
-            entries.append(entry)
+    nodes = qdq_nodes(model, base)
+    per_graph: dict[int, tuple[dict, set[str], set[str]]] = {}
+    for q in nodes:
+        node, graph = q.node, q.graph
+        if id(graph) not in per_graph:
+            scale_inputs = {other.node.input[1] for other in nodes if other.graph is graph}
+            per_graph[id(graph)] = producers(graph), {o.name for o in graph.output}, scale_inputs
+        made_by, outputs, scale_inputs = per_graph[id(graph)]
+        if node.op_type != "DequantizeLinear" or node.output[0] in scale_inputs:
+            continue  # a scale's own dequantizer is part of the meta encoding it serves
+        source = made_by.get(node.input[0])
+        if node.doc_string.startswith(_MARK):
+            name = node.doc_string[len(_MARK):]
+        elif source is not None and source.op_type == "QuantizeLinear":
+            name = node.output[0] if node.output[0] in outputs else source.input[0]
+        else:
+            name = node.input[0]
+        if any(e["name"] == name for e in entries):
+            continue  # a second DQ reader of the same quantized tensor
+        entry: dict[str, Any] = {"name": name}
+        zp = q.zero_point
+        entry["output_dtype"] = _BY_ONNX_TYPE.get(q.dtype, "uint8")
+        scale_producer = made_by.get(node.input[1])
+        if q.scale is not None:
+            scale = q.scale_values()
+            entry["y_scale"] = _plain(scale)
+        elif scale_producer is not None and scale_producer.op_type == "DequantizeLinear":
+            version = "2.1.0"
+            meta_attrs = {a.name: a.i for a in scale_producer.attribute}
+            meta: dict[str, Any] = {
+                "x": _plain(tensor_value(consts[scale_producer.input[0]], base)),
+                "x_scale": _plain(tensor_value(consts[scale_producer.input[1]], base)),
+                "input_dtype": _BY_ONNX_TYPE[consts[scale_producer.input[0]].data_type],
+            }
+            if len(scale_producer.input) > 2 and scale_producer.input[2]:
+                x_zp = tensor_value(consts[scale_producer.input[2]], base)
+                if np.any(x_zp.astype(np.int64)):
+                    meta["x_zero_point"] = _plain(x_zp)
+            for key in ("axis", "block_size"):
+                if key in meta_attrs and (key == "block_size" or np.size(meta["x_scale"]) > 1):
+                    meta[key] = meta_attrs[key]
+            entry["y_scale"] = meta
+            scale = np.asarray(meta["x"])
+        else:
+            raise InvalidArgumentError(f"The scale of DequantizeLinear '{node.name}' is computed at run time; it has no encoding.")
+        if zp is not None:
+            values = q.zero_point_values()
+            if DTYPES[entry["output_dtype"]].qmin is not None and np.any(values.astype(np.int64)):
+                entry["y_zero_point"] = _plain(values)
+        if q.block_size:
+            entry["axis"] = q.axis
+            entry["block_size"] = q.block_size
+        elif np.size(scale) > 1:
+            entry["axis"] = q.attributes.get("axis", 1)
+        entries.append(entry)
     return {"version": version, "encodings": entries}
 
 

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
 
-from .._graph import all_constants, is_default_domain, walk_graphs
+from .._graph import is_default_domain, walk_graphs
 from ..errors import ExportRefusedError
+from .view import qdq_nodes
 
 QParams = tuple  # ("per_tensor", scale, zero_point, dtype) | ("per_channel", scales, zero_points, axis, dtype)
 
@@ -59,21 +59,15 @@ def file_qparams(model: onnx.ModelProto) -> tuple[set[QParams], set[QParams]]:
     """The same two sets, read from an ONNX graph's QuantizeLinear and per-channel DequantizeLinear."""
     activations: set[QParams] = set()
     weights: set[QParams] = set()
-    consts = all_constants(model)
-    for graph in walk_graphs(model.graph):
-        for node in graph.node:
-            if not is_default_domain(node) or node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
-                continue
-            if node.input[1] not in consts or len(node.input) < 3 or node.input[2] not in consts:
-                continue
-            scale = numpy_helper.to_array(consts[node.input[1]]).astype(np.float32).reshape(-1)
-            zp_tensor = consts[node.input[2]]
-            zp = numpy_helper.to_array(zp_tensor).reshape(-1)
-            if node.op_type == "QuantizeLinear" and scale.size == 1:
-                activations.add(("per_tensor", float(scale[0]), int(zp[0]), zp_tensor.data_type))
-            elif node.op_type == "DequantizeLinear" and scale.size > 1:
-                axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-                weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), axis, zp_tensor.data_type))
+    for q in qdq_nodes(model):
+        if q.scale is None or q.zero_point is None:
+            continue
+        scale = q.scale_values().astype(np.float32).reshape(-1)
+        zp = q.zero_point_values().reshape(-1)
+        if q.op_type == "QuantizeLinear" and scale.size == 1:
+            activations.add(("per_tensor", float(scale[0]), int(zp[0]), q.zero_point.data_type))
+        elif q.op_type == "DequantizeLinear" and scale.size > 1:
+            weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), q.axis, q.zero_point.data_type))
     return activations, weights
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .._graph import DEFAULT_DOMAINS, all_constants, producers, tensor_value
+from .._graph import all_constants, producers
 from ..errors import InvalidArgumentError
+from .view import QDQNode, qdq_nodes
 
 CAUSES = ("rounding", "float_kernel", "qparams", "structure", "propagated")
 #: One quantization step, with room for the float32 rounding of (q - zp) * scale itself.
@@ -164,34 +165,33 @@ class _FileAnchor:
     reads: frozenset[str]  # the dequantized tensors the layer before this quantizer reads
 
 
-def _const(name: str, consts: dict[str, onnx.TensorProto], base: str | None) -> np.ndarray | None:
-    return tensor_value(consts[name], base) if name in consts else None
-
-
-def _qparams(node: onnx.NodeProto, consts: dict[str, onnx.TensorProto], base: str | None) -> tuple[np.ndarray | None, int, int]:
+def _qparams(q: QDQNode) -> tuple[np.ndarray | None, int, int]:
     """(scale, first zero-point, zero-point type) of a Q/DQ node; no zero-point input means uint8 0."""
-    scale = _const(node.input[1], consts, base)
-    has_zp = len(node.input) > 2 and node.input[2] in consts
-    zp = int(np.asarray(_const(node.input[2], consts, base)).reshape(-1)[0]) if has_zp else 0
-    return scale, zp, consts[node.input[2]].data_type if has_zp else onnx.TensorProto.UINT8
+    scale = q.scale_values() if q.scale is not None else None
+    zp = q.zero_point_values()
+    if zp is None:
+        return scale, 0, onnx.TensorProto.UINT8
+    return scale, int(np.asarray(zp).reshape(-1)[0]), q.zero_point.data_type
 
 
 def _file_anchors(model: onnx.ModelProto, base: str | None) -> list[_FileAnchor]:
     graph = model.graph
     consts = all_constants(model)
     made_by = producers(graph)
+    order = {id(node): index for index, node in enumerate(graph.node)}
     anchors: dict[str, _FileAnchor] = {}
-    for index, node in enumerate(graph.node):
-        if node.domain not in DEFAULT_DOMAINS:
-            continue
-        if node.op_type == "QuantizeLinear" and node.input[0] not in consts:
-            scale, zp, dtype = _qparams(node, consts, base)
+    for q in qdq_nodes(model, base):
+        if q.graph is not graph:
+            continue  # bodies are compared through their If/Loop node's outputs
+        node, index = q.node, order[id(q.node)]
+        if q.op_type == "QuantizeLinear" and q.kind == "activation":
+            scale, zp, dtype = _qparams(q)
             if scale is None or np.size(scale) != 1:
                 continue  # a per-channel activation quantizer: compared as an output only
             anchors[node.output[0]] = _FileAnchor(node, index, float(np.asarray(scale).reshape(())), zp, dtype,
                                                   [], *_segment(node.input[0], made_by, consts))
-        elif node.op_type == "DequantizeLinear" and node.input[0] in anchors:
-            scale, zp, _ = _qparams(node, consts, base)
+        elif q.op_type == "DequantizeLinear" and node.input[0] in anchors:
+            scale, zp, _ = _qparams(q)
             anchors[node.input[0]].readers.append((index, node, float(np.asarray(scale).reshape(-1)[0]), zp))
     return list(anchors.values())
 
@@ -398,9 +398,8 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
         A :class:`LayerReport`; ``report.first_divergence`` is the earliest tensor, in the
         file's order, more than one quantization step away, with its ``cause``.
     """
-    from .verify import _split
-
     from .._io import read_onnx
+    from .verify import _split
 
     file_model = read_onnx(onnx_path, "onnx_path", load_external_data=True)  # the probe copy runs from memory
     base = None

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .._graph import all_constants, consumers, is_default_domain, opset_of, producers, tensor_value, walk_graphs
+from .._graph import all_constants, consumers, is_default_domain, opset_of, producers, walk_graphs
 from ..errors import OnnxportError
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
+from .view import QDQNode, qdq_nodes
 
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 #: Operators a convolution's result may pass through before its add (folded or fused epilogues).
 _EPILOGUES = ("Relu", "Clip", "BatchNormalization", "HardSwish", "HardSigmoid", "LeakyRelu", "Sigmoid")
 _COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -49,9 +49,6 @@ class QDQStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-_INT4 = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
 
 
 def _load(onnx_path: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
@@ -90,39 +87,25 @@ def qdq_stats(onnx_path: str | os.PathLike | onnx.ModelProto) -> QDQStats:
     return _stats(*_load(onnx_path))
 
 
-def _stats(model: onnx.ModelProto, base: Path | None) -> QDQStats:
+def _stats(model: onnx.ModelProto, base: Path | None, nodes: list[QDQNode] | None = None) -> QDQStats:
     counts = Counter()
-    conv_add = 0
-    consts = all_constants(model)
-    for graph in walk_graphs(model.graph):
-        for node in graph.node:
-            if node.op_type not in QDQ_OPS or not is_default_domain(node):
-                continue
-            counts["q" if node.op_type == "QuantizeLinear" else "dq"] += 1
-            scale = consts.get(node.input[1])
-            if scale is None:
-                raise OnnxportError(f"Cannot read the scale of node '{_name(node)}': '{node.input[1]}' is not a graph constant.")
-            if int(np.prod(scale.dims)) > 1:
-                counts["per_channel"] += 1
-            if any(a.name == "block_size" and a.i for a in node.attribute):
-                counts["blocked"] += 1
-            integers = consts.get(node.input[0] if node.op_type == "DequantizeLinear" else "")
-            zp_type = consts[node.input[2]].data_type if len(node.input) >= 3 and node.input[2] in consts else None
-            if _INT4 & {zp_type, integers.data_type if integers is not None else None}:
-                counts["int4"] += 1
-            if len(node.input) >= 3 and node.input[2]:
-                zp = consts.get(node.input[2])
-                if zp is None:
-                    raise OnnxportError(
-                        f"Cannot read the zero_point of node '{_name(node)}': '{node.input[2]}' is not a graph constant."
-                    )
-                if zp.data_type == onnx.TensorProto.UINT8:
-                    counts["uint8"] += 1
-                if np.any(tensor_value(zp, base) != 0):
-                    counts["nonzero"] += 1
-        conv_add += _conv_add_edges(graph)
-    if not counts["q"] + counts["dq"]:
-        conv_add = 0  # a float graph has no "unquantized" edges, only float ones
+    nodes = qdq_nodes(model, base) if nodes is None else nodes
+    for q in nodes:
+        counts["q" if q.op_type == "QuantizeLinear" else "dq"] += 1
+        if q.scale is None:
+            raise OnnxportError(f"Cannot read the scale of node '{q.name}': '{q.node.input[1]}' is not a graph constant.")
+        counts["per_channel"] += q.per_channel
+        counts["blocked"] += bool(q.block_size)
+        counts["int4"] += q.int4
+        if q.zero_point_input:
+            if q.zero_point is None:
+                raise OnnxportError(
+                    f"Cannot read the zero_point of node '{q.name}': '{q.zero_point_input}' is not a graph constant."
+                )
+            counts["uint8"] += q.zero_point.data_type == onnx.TensorProto.UINT8
+            counts["nonzero"] += bool(np.any(q.zero_point_values() != 0))
+    # a float graph has no "unquantized" edges, only float ones
+    conv_add = sum(_conv_add_edges(graph) for graph in walk_graphs(model.graph)) if nodes else 0
     return QDQStats(
         counts["q"], counts["dq"], counts["per_channel"], counts["nonzero"], conv_add, counts["uint8"],
         counts["blocked"], counts["int4"],
@@ -222,7 +205,8 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     runs in INT8 — the figure that explains a speed-up or its absence.
     """
     model, base = _load(onnx_path)
-    stats = _stats(model, base)
+    nodes = qdq_nodes(model, base)
+    stats = _stats(model, base, nodes)
     ops: list[ComputeOp] = []
     zp_types: Counter[str] = Counter()
     missing: list[str] = []
@@ -235,9 +219,10 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
             if node.op_type in _COMPUTE_OPS:
                 why = _why_float(node, made_by, consts)
                 ops.append(ComputeOp(_name(node), node.op_type, why is None, why))
-            elif node.op_type in QDQ_OPS and len(node.input) >= 3 and node.input[2] in consts:
-                zp_types[onnx.helper.tensor_dtype_to_np_dtype(consts[node.input[2]].data_type).name] += 1
         missing += convs_missing_kernel_shape(graph)
+    for q in nodes:
+        if q.zero_point is not None:
+            zp_types[onnx.helper.tensor_dtype_to_np_dtype(q.zero_point.data_type).name] += 1
     opset = opset_of(model)
     extra: dict[str, Any] = {}
     if ort and not isinstance(onnx_path, onnx.ModelProto):

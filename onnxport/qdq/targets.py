@@ -13,6 +13,7 @@ import onnx
 from .._graph import all_constants, consumers, is_default_domain, opset_of, tensor_value, walk_graphs
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
+from .view import qdq_nodes
 
 TARGETS = ("tensorrt", "onnxruntime", "qnn")
 
@@ -28,13 +29,6 @@ _ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": 
 
 def _label(node: onnx.NodeProto) -> str:
     return f"{node.op_type} '{node.name or node.output[0]}'"
-
-
-def _qdq_nodes(model: onnx.ModelProto):
-    for graph in walk_graphs(model.graph):
-        for node in graph.node:
-            if is_default_domain(node) and node.op_type in ("QuantizeLinear", "DequantizeLinear"):
-                yield node
 
 
 def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) -> list[str]:
@@ -56,32 +50,23 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     consts = all_constants(model)
     opset = opset_of(model)
     problems: list[str] = []
-
-    def zero_point(node: onnx.NodeProto) -> tuple[np.ndarray | None, int | None]:
-        if len(node.input) < 3 or not node.input[2] or node.input[2] not in consts:
-            return None, None
-        tensor = consts[node.input[2]]
-        return tensor_value(tensor, base), tensor.data_type
-
-    weight_values = _weight_inputs(model)
     activation_types: Counter[int] = Counter()
-    for node in _qdq_nodes(model):
-        zp, dtype = zero_point(node)
-        of_constant = node.op_type == "DequantizeLinear" and node.input[0] in consts
-        is_weight = of_constant and node.output[0] in weight_values
-        if not is_weight and dtype is not None:
+    for q in qdq_nodes(model, base):
+        zp, dtype = q.zero_point_values(), q.dtype if q.zero_point is not None else None
+        label = _label(q.node)
+        if q.kind == "activation" and dtype is not None:
             activation_types[dtype] += 1
         if target == "tensorrt":
             if zp is not None and np.any(zp != 0):
-                problems.append(f"{_label(node)} has a non-zero zero-point; TensorRT needs every zero-point 0.")
+                problems.append(f"{label} has a non-zero zero-point; TensorRT needs every zero-point 0.")
             if dtype in (onnx.TensorProto.UINT8, onnx.TensorProto.UINT16):
-                problems.append(f"{_label(node)} is unsigned; TensorRT rejects UINT8 QuantizeLinear/DequantizeLinear.")
-            if of_constant and consts[node.input[0]].data_type == onnx.TensorProto.INT32:
-                problems.append(f"{_label(node)} dequantizes an int32 bias, which TensorRT's parser rejects.")
-        elif is_weight and dtype is not None and dtype != onnx.TensorProto.INT8:
-            problems.append(f"{_label(node)} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; {target} wants int8 weights.")
-        elif is_weight and target == "qnn" and zp is not None and np.any(zp != 0):
-            problems.append(f"{_label(node)} has a weight zero-point other than 0; QNN wants symmetric weights.")
+                problems.append(f"{label} is unsigned; TensorRT rejects UINT8 QuantizeLinear/DequantizeLinear.")
+            if q.kind == "bias":
+                problems.append(f"{label} dequantizes an int32 bias, which TensorRT's parser rejects.")
+        elif q.kind == "weight" and dtype is not None and dtype != onnx.TensorProto.INT8:
+            problems.append(f"{label} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; {target} wants int8 weights.")
+        elif q.kind == "weight" and target == "qnn" and zp is not None and np.any(zp != 0):
+            problems.append(f"{label} has a weight zero-point other than 0; QNN wants symmetric weights.")
     if target == "tensorrt":
         if opset > _TENSORRT_MAX_OPSET:
             problems.append(f"the file declares opset {opset}; export at opset {_TENSORRT_MAX_OPSET} for TensorRT's parser.")
@@ -100,16 +85,6 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
         if activation_types[onnx.TensorProto.UINT16] and opset < 21:
             problems.append(f"uint16 activations need opset 21, and the file declares {opset}.")
     return problems
-
-
-def _weight_inputs(model: onnx.ModelProto) -> set[str]:
-    """Values read as the weight (input 1) of a Conv, ConvTranspose, Gemm or MatMul."""
-    return {
-        node.input[1]
-        for graph in walk_graphs(model.graph)
-        for node in graph.node
-        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and len(node.input) > 1
-    }
 
 
 def _ort_unfoldable_relus(model: onnx.ModelProto, consts: dict, base: Path | None) -> list[str]:

@@ -244,6 +244,9 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
             graph.insert_before(first, node)
 
 
+_FILE_TYPES = {onnx.TensorProto.INT4: ir.DataType.INT4, onnx.TensorProto.INT8: ir.DataType.INT8}
+
+
 def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each DequantizeLinear of an int4/int8 initializer in a file, one at a time.
 
@@ -251,23 +254,26 @@ def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types.
     One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
-    model = ir.load(str(path))
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.op_type != "DequantizeLinear" or node.domain not in ("", "ai.onnx"):
+    from .._graph import consumers
+    from .._io import read_onnx
+    from .view import qdq_nodes
+
+    model = read_onnx(path, "onnx_path")
+    readers: dict[int, dict] = {}
+    for q in qdq_nodes(model, Path(path).parent):
+        if q.op_type != "DequantizeLinear" or q.integers is None or q.integers.data_type not in _FILE_TYPES:
             continue
-        data = node.inputs[0].const_value if node.inputs[0] is not None else None
-        if data is None or data.dtype not in (ir.DataType.INT4, ir.DataType.INT8):
-            continue
-        zp = node.inputs[2] if len(node.inputs) > 2 else None
-        block = node.attributes.get("block_size")
-        yield node.outputs[0].name, {
-            "q": data.numpy().astype(np.int8),
-            "scale": node.inputs[1].const_value.numpy() if node.inputs[1].const_value is not None else None,
-            "zp": None if zp is None or zp.const_value is None else zp.const_value.numpy().astype(np.int8),
-            "axis": node.attributes["axis"].as_int() if "axis" in node.attributes else 1,
-            "block_size": block.as_int() if block is not None else None,
-            "dtype": data.dtype,
-            "readers": sorted({use.node.op_type for use in node.outputs[0].uses()}),
+        if id(q.graph) not in readers:
+            readers[id(q.graph)] = consumers(q.graph)
+        zp = q.zero_point_values()
+        yield q.node.output[0], {
+            "q": q.integer_values().astype(np.int8),
+            "scale": q.scale_values() if q.scale is not None else None,
+            "zp": None if zp is None else zp.astype(np.int8),
+            "axis": q.attributes.get("axis", 1),
+            "block_size": q.block_size or None,
+            "dtype": _FILE_TYPES[q.integers.data_type],
+            "readers": sorted({n.op_type for n in readers[id(q.graph)].get(q.node.output[0], [])}),
         }
 
 
