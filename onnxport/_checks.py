@@ -68,7 +68,7 @@ def run(
     try:
         session = make_session(source, optimized=optimized)
         return session.run(None, dict(feeds))
-    except Exception as error:  # noqa: BLE001 - ORT's pybind errors share no base class worth naming
+    except Exception as error:  # ORT's pybind errors share no base class worth naming
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExportRefusedError(
             f"ONNX Runtime cannot run the graph at its {level} level: {first}; nothing was kept."

@@ -62,10 +62,10 @@ def load_model(spec: str) -> Any:
         level, logger.level = logger.level, logging.CRITICAL
         try:
             return torch.export.load(spec).module()
-        except Exception as error:  # noqa: BLE001 - torch raises zip, pickle and runtime errors alike
+        except Exception as error:  # torch raises zip, pickle and runtime errors alike
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UsageError(f"MODEL '{spec}' could not be loaded as a torch.export program "
-                             f"(truncated, or not saved with torch.export.save?): {first}") from None
+                             f"(truncated, or not saved with torch.export.save?): {first}") from error
         finally:
             logger.setLevel(level)
     if ":" not in spec:
@@ -82,7 +82,7 @@ def load_model(spec: str) -> Any:
     if callable(factory) and not isinstance(factory, torch.nn.Module):
         try:
             model = factory()
-        except Exception as error:  # noqa: BLE001 - the user's own code failed; say so, without a traceback
+        except Exception as error:  # the user's own code failed; say so, without a traceback
             raise UsageError(f"MODEL '{spec}': calling '{attr}()' raised {type(error).__name__}: {error}") from error
     else:
         model = factory
@@ -126,8 +126,8 @@ def _calibration(source: str | None, sample: tuple, batch_size: int) -> list[tup
         else:
             with np.load(path) as data:
                 arrays = [data[k] for k in data.files]
-    except Exception as error:  # noqa: BLE001 - numpy raises value, OS, pickle and zip errors alike
-        raise UsageError(f"--calibration '{source}' is not a readable {path.suffix} file: {error}") from None
+    except Exception as error:  # numpy raises value, OS, pickle and zip errors alike
+        raise UsageError(f"--calibration '{source}' is not a readable {path.suffix} file: {error}") from error
     if len(arrays) != len(sample):
         raise UsageError(f"--calibration holds {len(arrays)} array(s) but the model takes {len(sample)} input(s).")
     n = arrays[0].shape[0]
@@ -255,6 +255,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -- the parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from .qdq.targets import TARGETS
+
     parser = argparse.ArgumentParser(prog="onnxport", description="PyTorch to deployable ONNX, every claim checked on the file.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -289,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     qdq.add_argument("-o", "--output", required=True)
     qdq.add_argument("--calibration", help=".npy/.npz inputs, or 'random' (smoke tests only)")
     qdq.add_argument("--batch-size", type=int, default=8)
-    qdq.add_argument("--target", choices=("tensorrt", "onnxruntime", "qnn"))
+    qdq.add_argument("--target", choices=TARGETS)
     qdq.add_argument("--observer", default="histogram", choices=("histogram", "minmax", "percentile"))
     qdq.add_argument("--placement", default="per_op", choices=("per_op", "skip_conv_add"))
     qdq.add_argument("--qscheme", choices=("per_channel", "per_tensor", "per_group"),
@@ -368,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"onnxport {args.command}: interrupted; no output was kept.", file=sys.stderr)
         return 130
-    except Exception as error:  # noqa: BLE001 - the promise is: no traceback without --debug
+    except Exception as error:  # the promise is: no traceback without --debug
         if args.debug:
             raise
         print(f"onnxport {args.command}: failed on an error onnxport did not expect: {type(error).__name__}: "

@@ -25,7 +25,7 @@ from .checks import (
     pt2e_qdq_nodes,
 )
 from .stats import qdq_stats
-from .targets import TARGET_DEFAULTS, check_target
+from .targets import check_target, target_record
 from .weight_only import WEIGHT_ONLY_OPSET, QuantizedWeight, export_weight_only, quantized_weights
 
 ACTIVATION_DTYPES = ("int8", "uint8")
@@ -128,10 +128,9 @@ def export_qdq(
             dynamic_batch=dynamic_batch, input_names=input_names, output_names=output_names,
         )
     preset = spec.target if spec is not None else None
-    default_dtype, default_opset = TARGET_DEFAULTS.get(preset, TARGET_DEFAULTS[None])
-    if spec is not None and spec.activation_bits == 16:
-        default_opset = 21  # uint16 Q/DQ exist from opset 21
-    activation_dtype = default_dtype if activation_dtype is None else activation_dtype
+    record = target_record(preset)
+    default_opset = record.default_opset(spec.activation_bits if spec is not None else None)
+    activation_dtype = record.activation_dtype if activation_dtype is None else activation_dtype
     opset_version = _validate_opset(default_opset if opset_version is None else opset_version)
     _preconditions(model, spec, activation_dtype, dynamic_batch)
     expected = model_qparams(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,91 @@ from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from .view import qdq_nodes
 
-TARGETS = ("tensorrt", "onnxruntime", "qnn")
+_U8, _U16, _I8, _I16 = onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.INT8, onnx.TensorProto.INT16
 
-#: What each preset exports by default: (activation_dtype, opset_version).
-TARGET_DEFAULTS = {"tensorrt": ("int8", 17), "onnxruntime": ("uint8", 18), "qnn": ("uint8", 18), None: ("int8", 18)}
 
-_TENSORRT_MAX_OPSET = 17  # the opset every TensorRT 8.6+ parser reads
+@dataclass(frozen=True)
+class Target:
+    """One deployment preset: how ``Quantizer`` annotates for it, what ``export_qdq`` writes by
+    default, and the rules ``check_target`` holds its files to.
+
+    Attributes:
+        name: the preset's name (``Quantizer(target=name)``).
+        consumer: who reads the files, in words.
+        activations: the activation quantizer: ``'symmetric'`` (int8, zero-point 0),
+            ``'affine_unsigned'`` (uint8/uint16 over the observed range) or
+            ``'symmetric_unsigned_after_relu'`` (int8 symmetric, but a ReLU/Clip output gets an
+            unsigned range that starts at 0, so ONNX Runtime folds the ReLU).
+        activation_bits: the activation widths the consumer reads.
+        activation_dtype, opset: what ``export_qdq`` writes when not told.
+        opset_16bit: the opset for 16-bit activations (uint16 Q/DQ exist from opset 21).
+        max_opset: the newest opset the consumer's parser reads (``None``: any).
+        activation_types: the Q/DQ types activations may have (``None``: any).
+        weight_type: the type weights must be stored as (``None``: any).
+        zero_points_zero: every zero-point must be 0 (``'all'``), only weights' (``'weights'``) or none.
+        unsigned_allowed: whether uint8/uint16 Q/DQ nodes may appear at all.
+        int32_bias_allowed: whether a DequantizeLinear of an int32 bias may appear.
+        needs_kernel_shape: every Conv must say its ``kernel_shape``.
+        relu_range_from_zero: a ReLU/Clip feeding a Q must meet a range that starts at 0.
+    """
+
+    name: str
+    consumer: str
+    activations: str
+    activation_bits: tuple[int, ...] = (8,)
+    activation_dtype: str = "int8"
+    opset: int = 18
+    opset_16bit: int = 21
+    max_opset: int | None = None
+    activation_types: frozenset[int] | None = None
+    weight_type: int | None = None
+    zero_points_zero: str | None = None
+    unsigned_allowed: bool = True
+    int32_bias_allowed: bool = True
+    needs_kernel_shape: bool = False
+    relu_range_from_zero: bool = False
+    #: the hint a rule broken on activation types gives.
+    activation_hint: str = ""
+
+    @property
+    def forces_affine(self) -> bool:
+        return self.activations == "affine_unsigned"
+
+    @property
+    def needs_symmetric(self) -> bool:
+        return self.zero_points_zero == "all"
+
+    def default_opset(self, activation_bits: int | None) -> int:
+        return self.opset_16bit if activation_bits == 16 else self.opset
+
+
+#: The presets, by name; ``None`` is what a model quantized without a target gets.
+REGISTRY: dict[str | None, Target] = {
+    "tensorrt": Target(
+        "tensorrt", "TensorRT 8.6+", "symmetric", opset=17, max_opset=17, zero_points_zero="all",
+        unsigned_allowed=False, int32_bias_allowed=False, needs_kernel_shape=True,
+    ),
+    "onnxruntime": Target(
+        "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
+        activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True,
+        activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
+    ),
+    "qnn": Target(
+        "qnn", "Qualcomm QNN (HTP)", "affine_unsigned", activation_bits=(8, 16), activation_dtype="uint8",
+        activation_types=frozenset({_U8, _U16}), weight_type=_I8, zero_points_zero="weights",
+        activation_hint="QNN reads uint8 (or uint16) activations.",
+    ),
+}
+DEFAULT_TARGET = Target("default", "any ONNX consumer", "symmetric", activation_bits=(8, 16))
+TARGETS = tuple(name for name in REGISTRY if name is not None)
+
+
+def target_record(name: str | None) -> Target:
+    """The :class:`Target` of a preset name (``None``: the default record)."""
+    if name is None:
+        return DEFAULT_TARGET
+    check_choice(name, TARGETS, "target")
+    return REGISTRY[name]
 _ORT_INT8 = {"QLinearConv": "Conv", "QGemm": "Gemm", "QLinearMatMul": "MatMul", "MatMulIntegerToFloat": "MatMul",
              "QLinearAdd": "Add", "ConvInteger": "Conv", "MatMulInteger": "MatMul"}
 _ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": "Gemm", "FusedGemm": "Gemm",
@@ -40,7 +120,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     keeps such a ReLU and runs the conv in float). ``'qnn'``: activations uint8 or uint16, weights
     int8 with zero-point 0, uint16 only at opset 21 or later.
     """
-    check_choice(target, TARGETS, "target")
+    rules = target_record(check_choice(target, TARGETS, "target"))
     if isinstance(onnx_path, onnx.ModelProto):
         model, base = onnx_path, None
     else:
@@ -56,34 +136,36 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
         label = _label(q.node)
         if q.kind == "activation" and dtype is not None:
             activation_types[dtype] += 1
-        if target == "tensorrt":
-            if zp is not None and np.any(zp != 0):
-                problems.append(f"{label} has a non-zero zero-point; TensorRT needs every zero-point 0.")
-            if dtype in (onnx.TensorProto.UINT8, onnx.TensorProto.UINT16):
-                problems.append(f"{label} is unsigned; TensorRT rejects UINT8 QuantizeLinear/DequantizeLinear.")
-            if q.kind == "bias":
-                problems.append(f"{label} dequantizes an int32 bias, which TensorRT's parser rejects.")
-        elif q.kind == "weight" and dtype is not None and dtype != onnx.TensorProto.INT8:
-            problems.append(f"{label} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; {target} wants int8 weights.")
-        elif q.kind == "weight" and target == "qnn" and zp is not None and np.any(zp != 0):
-            problems.append(f"{label} has a weight zero-point other than 0; QNN wants symmetric weights.")
-    if target == "tensorrt":
-        if opset > _TENSORRT_MAX_OPSET:
-            problems.append(f"the file declares opset {opset}; export at opset {_TENSORRT_MAX_OPSET} for TensorRT's parser.")
+        if rules.zero_points_zero == "all" and zp is not None and np.any(zp != 0):
+            problems.append(f"{label} has a non-zero zero-point; {rules.consumer} needs every zero-point 0.")
+        if not rules.unsigned_allowed and dtype in (_U8, _U16):
+            problems.append(f"{label} is unsigned; {rules.consumer} rejects UINT8 QuantizeLinear/DequantizeLinear.")
+        if not rules.int32_bias_allowed and q.kind == "bias":
+            problems.append(f"{label} dequantizes an int32 bias, which {rules.consumer}'s parser rejects.")
+        if q.kind != "weight" or dtype is None:
+            continue
+        if rules.weight_type is not None and dtype != rules.weight_type:
+            problems.append(f"{label} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; "
+                            f"{target} wants {onnx.TensorProto.DataType.Name(rules.weight_type).lower()} weights.")
+        elif rules.zero_points_zero == "weights" and zp is not None and np.any(zp != 0):
+            problems.append(f"{label} has a weight zero-point other than 0; {rules.consumer} wants symmetric weights.")
+    if rules.max_opset is not None and opset > rules.max_opset:
+        problems.append(f"the file declares opset {opset}; export at opset {rules.max_opset} for {rules.consumer}'s parser.")
+    if rules.needs_kernel_shape:
         for graph in walk_graphs(model.graph):
-            problems += [f"Conv '{n}' has no kernel_shape, which TensorRT's parser needs." for n in convs_missing_kernel_shape(graph)]
-    elif target == "onnxruntime":
-        if activation_types[onnx.TensorProto.INT8]:
-            problems.append(
-                f"{activation_types[onnx.TensorProto.INT8]} activation Q/DQ node(s) are int8; ONNX Runtime's CPU runs "
-                f"U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'."
-            )
+            problems += [f"Conv '{n}' has no kernel_shape, which {rules.consumer}'s parser needs."
+                         for n in convs_missing_kernel_shape(graph)]
+    if rules.activation_types is not None:
+        wrong = {t: n for t, n in activation_types.items() if t not in rules.activation_types}
+        if wrong:
+            kinds = ", ".join(f"{n} {onnx.TensorProto.DataType.Name(t).lower()}"
+                              + (" (signed)" if np.issubdtype(onnx.helper.tensor_dtype_to_np_dtype(t), np.signedinteger) else "")
+                              for t, n in sorted(wrong.items()))
+            problems.append(f"activation Q/DQ node(s) are {kinds}; {rules.activation_hint}")
+    if activation_types[_U16] and opset < rules.opset_16bit:
+        problems.append(f"uint16 activations need opset {rules.opset_16bit}, and the file declares {opset}.")
+    if rules.relu_range_from_zero:
         problems += _ort_unfoldable_relus(model, consts, base)
-    elif target == "qnn":
-        if activation_types[onnx.TensorProto.INT8] or activation_types[onnx.TensorProto.INT16]:
-            problems.append("some activation pairs are signed; QNN reads uint8 (or uint16) activations.")
-        if activation_types[onnx.TensorProto.UINT16] and opset < 21:
-            problems.append(f"uint16 activations need opset 21, and the file declares {opset}.")
     return problems
 
 

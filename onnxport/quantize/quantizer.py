@@ -20,13 +20,13 @@ from .observers import OBSERVERS, activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
 from .weight_only import WEIGHT_ONLY_BITS, drop_bound_reprs, quantize_weight_only
+from ..qdq.targets import TARGETS, target_record
 
 BACKENDS = ("pt2e", "torchao")
 PT2E_METHODS = ("static", "qat")
 TORCHAO_METHODS = ("int8_weight_only", "int8_dynamic", "int4_weight_only")
 QSCHEMES = ("per_channel", "per_tensor")
 WEIGHT_ONLY_QSCHEMES = ("per_group", "per_channel")
-TARGETS = ("tensorrt", "onnxruntime", "qnn")
 
 
 class AffineActivationWarning(OnnxportWarning):
@@ -194,20 +194,25 @@ class Quantizer:
     ) -> None:
         self.backend = check_choice(backend, BACKENDS, "backend")
         self.target = None if target is None else check_choice(target, TARGETS, "target")
+        record = target_record(self.target)
         if target is not None and backend != "pt2e":
             raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
-        if activation_bits not in (8, 16) or (activation_bits == 16 and target != "qnn"):
+        sixteen = [name for name in TARGETS if 16 in target_record(name).activation_bits]
+        if activation_bits not in (8, 16) or (target is not None and activation_bits not in record.activation_bits) or (
+            target is None and activation_bits == 16
+        ):
             raise InvalidArgumentError(
-                f"activation_bits must be 8, or 16 with target='qnn' (A16W8), not {activation_bits!r}."
+                f"activation_bits must be 8, or 16 with target={' or '.join(map(repr, sixteen))} (A16W8), "
+                f"not {activation_bits!r}."
             )
         self.activation_bits = activation_bits
-        if target == "tensorrt" and not symmetric:
+        if record.needs_symmetric and not symmetric:
             raise InvalidArgumentError(
-                "target='tensorrt' needs symmetric activations (TensorRT rejects non-zero zero-points); "
-                "drop symmetric=False or choose target='qnn'."
+                f"target={target!r} needs symmetric activations ({record.consumer} rejects non-zero zero-points); "
+                f"drop symmetric=False or choose target='qnn'."
             )
-        if target == "qnn":
-            symmetric = False  # QNN reads affine unsigned activations
+        if record.forces_affine:
+            symmetric = False  # e.g. QNN reads affine unsigned activations
         if backend == "pt2e":
             self.method = check_choice(method or "static", PT2E_METHODS, "method")
         else:
@@ -245,7 +250,7 @@ class Quantizer:
             raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
         self.group_size = group_size
         self.symmetric = bool(symmetric)
-        if not self.symmetric and backend == "pt2e" and target != "qnn":
+        if not self.symmetric and backend == "pt2e" and not record.forces_affine:
             warnings.warn(
                 "symmetric=False gives activations non-zero zero-points, which some consumers "
                 "(TensorRT) refuse; keep the default for TensorRT.",
@@ -266,7 +271,8 @@ class Quantizer:
         if self.backend == "pt2e":
             return QuantSpec(
                 backend="pt2e", method=self.method, weight_bits=8, activation_bits=self.activation_bits,
-                qscheme=self.qscheme, symmetric=self.symmetric and self.target != "onnxruntime",
+                qscheme=self.qscheme,
+                symmetric=self.symmetric and target_record(self.target).activations == "symmetric",
                 placement=self.qdq_placement, skipped_modules=tuple(self.skip_activations),
                 float_layers=tuple(self.float_layers),
                 observer=self.observer if self.method == "static" else "fake_quant", target=self.target,
@@ -287,9 +293,10 @@ class Quantizer:
         per_channel = self.qscheme == "per_channel"
         activation = activation_qspec(self.observer, self.symmetric, is_qat)
         post_relu = None
-        if self.target == "qnn":
+        scheme = target_record(self.target).activations
+        if scheme == "affine_unsigned":
             activation = activation_qspec(self.observer, False, is_qat, unsigned=True, bits=self.activation_bits)
-        elif self.target == "onnxruntime":
+        elif scheme == "symmetric_unsigned_after_relu":
             post_relu = activation_qspec(self.observer, False, is_qat, unsigned=True)
         ctx = AnnotationContext(
             activation=activation,
