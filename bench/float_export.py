@@ -18,12 +18,12 @@ import torch
 from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.models import ResNet18  # noqa: E402  (the test models are the benchmark models)
+from tests.models import ResNet18
 
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import export_onnx
-    from onnxport.qdq.targets import ort_optimised_ops
+    from onnxport.qdq.stats import ort_optimised_ops
 
     torch.manual_seed(0)
     model = ResNet18().eval()

@@ -16,12 +16,12 @@ import torch
 from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.models import ResNet18  # noqa: E402
+from tests.models import ResNet18
 
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
-    from onnxport.qdq.targets import ort_optimised_ops
+    from onnxport.qdq.stats import ort_optimised_ops
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-qdq-"))
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.models import ResNet18, TinyTransformer, train_tiny_classifier  # noqa: E402
+from tests.models import ResNet18, TinyTransformer, train_tiny_classifier
 
 
 def _sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -15,12 +15,12 @@ import torch
 from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.models import MobileNetV2Small, ResNet18  # noqa: E402
+from tests.models import MobileNetV2Small, ResNet18
 
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
-    from onnxport.qdq.targets import ort_int8_counts
+    from onnxport.qdq.stats import ort_int8_counts
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-targets-"))
     results: dict = {}

@@ -18,7 +18,7 @@ _EXPORTS = {
     "verify_onnx": ".runtime",
     "ComparisonReport": ".runtime",
     "OutputComparison": ".runtime",
-    "save_model": "._io",
+    "save_model": ".files",
     "OnnxportError": ".errors",
     "InvalidArgumentError": ".errors",
     "ExportRefusedError": ".errors",
@@ -53,7 +53,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._io import save_model
+    from .files import save_model
     from .errors import (ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning,
                          RuntimePrecisionWarning, WriteError)
     from .qdq.export import export_qdq

@@ -371,30 +371,6 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return target
 
 
-def save_model(
-    model: onnx.ModelProto,
-    path: str | os.PathLike,
-    *,
-    external_data: bool | None = None,
-    check: bool = True,
-) -> Path:
-    """Write ``model`` to ``path`` atomically, with external data when it is over 2 GB.
-
-    Args:
-        model: the model to write; it is not modified.
-        path: the target ``.onnx`` file; a previous file there is replaced only once the new one
-            is complete and (with ``check``) has passed ``onnx.checker``.
-        external_data: ``None`` decides by size; ``True``/``False`` force it.
-        check: run ``onnx.checker`` on the staged file before it replaces the target.
-    """
-    target = check_output_path(path, "path")
-    with staged_output(target) as staged:
-        write_model(model, staged, external_data=external_data)
-        if check:
-            onnx.checker.check_model(str(staged))
-    return target
-
-
 def external_data_files(path: str | os.PathLike) -> list[Path]:
     """The external-data files an ONNX file refers to (read without loading weights)."""
     path = Path(path)

@@ -207,3 +207,32 @@ def test_pipeline_file_proofs_refuse_a_wrong_opset(tmp_path):
         pipeline.prove_file(path, opset=17, dynamic_batch=False)
     with pytest.raises(ExportRefusedError, match="batch dimension of x, y is fixed"):
         pipeline.prove_file(path, opset=18, dynamic_batch=True)
+
+
+def test_strip_qdq_reaches_if_bodies_and_keeps_output_names():
+    from onnxport.encodings.reverse import StripQDQPass
+
+    w = np.arange(-4, 4, dtype=np.int8)
+    inits = [_c("s", np.float32(0.05)), _c("zp", np.int8(0)), _c("wq", w), _c("ws", np.float32(0.5))]
+
+    def body(p):
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_q"]),
+                helper.make_node("DequantizeLinear", [f"{p}_q", "s", "zp"], [f"{p}_dq"]),
+                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_w"]),  # the outer weight, in a body
+                helper.make_node("Add", [f"{p}_dq", f"{p}_w"], ["same"])]
+
+    main = [helper.make_node("DequantizeLinear", ["wq", "ws"], ["total"])]  # a DQ that is a graph output
+    model = _if_model(body, inits, [2, 8], [2, 8], main, [helper.make_tensor_value_info("total", FLOAT, [8])])
+    stripped, first, second = _apply(StripQDQPass(), model)
+    assert (first, second) == (True, False)
+    everywhere = [*stripped.graph.node, *_body_nodes(stripped)]
+    assert not [n for n in everywhere if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert [o.name for o in stripped.graph.output] == ["picked", "total"]
+    weight = next(t for t in stripped.graph.initializer if t.name == "wq")  # named after the integers it replaced
+    assert numpy_helper.to_array(weight).tolist() == (w * 0.5).tolist()
+    onnx.checker.check_model(stripped, full_check=True)
+    x = RNG.standard_normal((2, 8)).astype(np.float32)
+    for flag in (True, False):
+        picked, total = run(stripped, {"x": x, "flag": np.array(flag)}, optimized=False)
+        np.testing.assert_array_equal(picked, x + (w * 0.5).astype(np.float32))
+        np.testing.assert_array_equal(total, (w * 0.5).astype(np.float32))

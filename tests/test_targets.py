@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxport import Quantizer, check_target, export_qdq, qdq_report, quant_spec, verify_qdq
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
-from onnxport.qdq.targets import ort_int8_counts
+from onnxport.qdq.stats import ort_int8_counts
 from tests.conftest import listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer
 

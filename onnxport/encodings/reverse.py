@@ -7,9 +7,12 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._graph import all_constants, producers, tensor_value, walk_graphs
+from .._graph import all_constants, producers, tensor_value
 from ..errors import InvalidArgumentError
+from ..passes._ir import const_array, is_default, nodes, on_proto
 from ..qdq.view import qdq_nodes
 from .formats import DTYPES, layout_param
 
@@ -103,68 +106,79 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
     return {"version": version, "encodings": entries}
 
 
+class StripQDQPass(ir.passes.InPlacePass):
+    """Remove every Q→DQ pair and turn every DequantizeLinear of a constant into a float constant.
+
+    Readers of a pair read the float tensor it quantized; a dequantized constant becomes the
+    float values ``(q - zero_point) * scale``, named after the constant it read. A pair whose
+    output is a graph output becomes an Identity, so the output keeps its name. Bodies included.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        floats: dict[int, ir.Value] = {}  # id(integer constant) -> its float replacement
+        modified = False
+        for node in list(nodes(model)):
+            if node.op_type != "DequantizeLinear" or not is_default(node):
+                continue
+            out = node.outputs[0]
+            if any(user.op_type in ("QuantizeLinear", "DequantizeLinear") and index == 1 for user, index in out.uses()):
+                continue  # a double-quantized scale: stripped with the pair it serves
+            source = node.inputs[0].producer()
+            if source is not None and source.op_type == "QuantizeLinear" and is_default(source):
+                replacement = source.inputs[0]
+            elif const_array(node.inputs[0]) is not None:
+                replacement = floats.get(id(node.inputs[0])) or self._float_constant(node)
+                floats[id(node.inputs[0])] = replacement
+            else:
+                continue
+            if out.is_graph_output():
+                identity = ir.node("Identity", [replacement])
+                node.graph.insert_after(node, identity)
+                ir.convenience.replace_all_uses_with(out, identity.outputs[0], replace_graph_outputs=True)
+                identity.outputs[0].type, identity.outputs[0].shape = out.type, out.shape
+                identity.outputs[0].name, out.name = out.name, f"{out.name}__stripped"
+            else:
+                out.replace_all_uses_with(replacement)
+            modified = True
+        if modified:
+            RemoveUnusedNodesPass()(model)  # the pairs, the integers, scales and zero-points nothing reads
+            self._name_after_integers(floats)
+        return ir.passes.PassResult(model, modified)
+
+    @staticmethod
+    def _float_constant(dq: ir.Node) -> ir.Value:
+        integers = dq.inputs[0]
+        q = const_array(integers).astype(np.float64)
+        scale = const_array(dq.inputs[1]).astype(np.float64)
+        zp_value = dq.inputs[2] if len(dq.inputs) > 2 else None
+        zp = const_array(zp_value).astype(np.float64) if zp_value is not None else np.zeros(())
+        axis_attr, block_attr = dq.attributes.get("axis"), dq.attributes.get("block_size")
+        axis = (axis_attr.as_int() if axis_attr is not None else 1) % max(q.ndim, 1)
+        block = block_attr.as_int() if block_attr is not None else None
+        values = (q - layout_param(zp, q.shape, axis, block)) * layout_param(scale, q.shape, axis, block)
+        value = ir.Value(name=f"{integers.name}__float", const_value=ir.tensor(values.astype(np.float32)))
+        (integers.graph or dq.graph).register_initializer(value)
+        value.meta["integers_name"] = integers.name
+        return value
+
+    @staticmethod
+    def _name_after_integers(floats: dict[int, ir.Value]) -> None:
+        """Give each float constant the name of the integers it replaced, now that those are gone."""
+        for value in floats.values():
+            graph, wanted = value.graph, value.meta["integers_name"]
+            if graph is None or wanted in graph.initializers:
+                continue  # the integers are still read elsewhere; the float keeps its own name
+            graph.initializers.pop(value.name)
+            value.name = wanted
+            graph.register_initializer(value)
+
+
 def strip_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     """The float model a Q/DQ model was made from, as far as the file can tell.
 
     Every QuantizeLinear→DequantizeLinear pair is removed (its readers read the float tensor),
     and every DequantizeLinear of a constant becomes a float constant of the dequantized values,
     named after the constant it read. ``encodings_to_onnx_qdq(strip_qdq(m), onnx_qdq_to_encodings(m))``
-    then rebuilds ``m``'s pairs.
+    then rebuilds ``m``'s pairs. ``model`` is left as it was (:class:`StripQDQPass` on a copy).
     """
-    from onnx import numpy_helper
-
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    for graph in walk_graphs(result.graph):
-        consts = {t.name: t for t in graph.initializer}
-        made_by = producers(graph)
-        outputs = {o.name for o in graph.output}
-        replace: dict[str, str] = {}
-        drop: set[int] = set()
-        new_inits: list[onnx.TensorProto] = []
-        scale_values = {n.input[1] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
-        for index, node in enumerate(graph.node):
-            if node.op_type != "DequantizeLinear" or node.output[0] in scale_values:
-                continue
-            source = made_by.get(node.input[0])
-            if source is not None and source.op_type == "QuantizeLinear":
-                replace[node.output[0]] = source.input[0]
-                drop.add(index)
-                drop.add(list(graph.node).index(source))
-            elif node.input[0] in consts:
-                zp_name = node.input[2] if len(node.input) > 2 else ""
-                attrs = {a.name: a.i for a in node.attribute}
-                q = tensor_value(consts[node.input[0]]).astype(np.float64)
-                scale = tensor_value(consts[node.input[1]]).astype(np.float64)
-                zp = tensor_value(consts[zp_name]).astype(np.float64) if zp_name else np.zeros(())
-                axis, block = attrs.get("axis", 1) % max(q.ndim, 1), attrs.get("block_size")
-                scale = layout_param(scale, q.shape, axis, block)
-                zp = layout_param(zp, q.shape, axis, block)
-                name = node.input[0]
-                new_inits.append(numpy_helper.from_array(((q - zp) * scale).astype(np.float32), name))
-                replace[node.output[0]] = name
-                drop.add(index)
-        for name in list(replace):
-            target = replace[name]
-            while target in replace:
-                target = replace[target]
-            replace[name] = target
-        kept = [n for i, n in enumerate(graph.node) if i not in drop]
-        for node in kept:
-            for i, name in enumerate(node.input):
-                if name in replace:
-                    node.input[i] = replace[name]
-        for name, target in replace.items():
-            if name in outputs:
-                kept.append(onnx.helper.make_node("Identity", [target], [name]))
-        del graph.node[:]
-        graph.node.extend(kept)
-        used = {i for g in walk_graphs(graph) for n in g.node for i in n.input}
-        stale = {n.name for n in new_inits}
-        inits = [t for t in graph.initializer if t.name in used and t.name not in stale] + [t for t in new_inits if t.name in used]
-        del graph.initializer[:]
-        graph.initializer.extend(inits)
-        for info in list(graph.value_info):
-            if info.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
-                graph.value_info.remove(info)
-    return result
+    return on_proto(StripQDQPass(), model)

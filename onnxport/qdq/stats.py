@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -226,10 +227,46 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     opset = opset_of(model)
     extra: dict[str, Any] = {}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
-        from .targets import ort_int8_counts, ort_optimised_ops
-
         optimised = ort_optimised_ops(onnx_path)
         counts = ort_int8_counts(onnx_path, optimised)
         extra["ort_int8"] = {op: c for op, c in counts.items() if c["int8"] or c["float"]}
         extra["ort_matmul_nbits"] = optimised.get("MatMulNBits", 0)
     return QDQReport(opset, stats, tuple(ops), dict(zp_types), tuple(missing), extra)
+
+
+# -- the graph ONNX Runtime actually runs ----------------------------------------------------
+_ORT_INT8 = {"QLinearConv": "Conv", "QGemm": "Gemm", "QLinearMatMul": "MatMul", "MatMulIntegerToFloat": "MatMul",
+             "QLinearAdd": "Add", "ConvInteger": "Conv", "MatMulInteger": "MatMul"}
+_ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": "Gemm", "FusedGemm": "Gemm",
+              "MatMul": "MatMul", "FusedMatMul": "MatMul", "Add": "Add"}
+
+
+def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
+    """Operator counts of the graph ONNX Runtime actually runs (CPU provider, default level)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as scratch:
+        optimised = Path(scratch) / "optimised.onnx"
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(optimised)
+        options.log_severity_level = 3  # saving an NCHWc-optimised graph warns that it is machine-specific
+        # A model over 2 GB can only be saved with its weights outside the proto.
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimised.onnx.data")
+        ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        return Counter(node.op_type for node in onnx.load_model(str(optimised), load_external_data=False).graph.node)
+
+
+def ort_int8_counts(onnx_path: str | os.PathLike, optimised: Counter[str] | None = None) -> dict[str, dict[str, int]]:
+    """How many Conv/Gemm/MatMul/Add ONNX Runtime runs in INT8 after its own optimisation.
+
+    Read from the optimised graph ORT writes (default level, CPU provider), or from
+    ``optimised`` (the counts :func:`ort_optimised_ops` returned) when given. Returns
+    ``{op: {"int8": n, "float": m}}``; weight-only ``MatMulNBits`` is in neither.
+    """
+    counts: dict[str, dict[str, int]] = {op: {"int8": 0, "float": 0} for op in ("Conv", "Gemm", "MatMul", "Add")}
+    for op, n in (ort_optimised_ops(onnx_path) if optimised is None else optimised).items():
+        if op in _ORT_INT8:
+            counts[_ORT_INT8[op]]["int8"] += n
+        elif op in _ORT_FLOAT:
+            counts[_ORT_FLOAT[op]]["float"] += n
+    return counts

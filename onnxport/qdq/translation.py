@@ -22,7 +22,7 @@ def pt2e_ops() -> list[Any]:
     ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def exporter_translates_pt2e() -> bool:
     """True when torch.onnx's own registry translates every pt2e quantize/dequantize operator."""
     try:
