@@ -16,7 +16,7 @@ from pathlib import Path
 
 from onnxport._io import write_text_atomic
 
-BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only")
+BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead")
 HERE = Path(__file__).resolve().parent
 
 
@@ -48,6 +48,10 @@ def _chart(results: dict, path: Path) -> bool:
 
 def main(only: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE.parent))
+    unknown = sorted(set(only or ()) - set(BENCHMARKS))
+    if unknown:
+        print(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
     chosen = [b for b in BENCHMARKS if not only or b in only]
     saved = HERE / "results.json"
     # A partial run (`python -m bench NAME`) updates the saved results instead of dropping the rest.

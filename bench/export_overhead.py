@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -25,7 +26,7 @@ REPEATS = 2
 _CHILD = r"""
 import json, sys, tempfile, time, warnings
 from pathlib import Path
-sys.path.insert(0, sys.argv[3])  # the bench's checkout, for the test models
+sys.path.append(sys.argv[3])  # the bench's checkout, for the test models (onnxport comes from before it)
 import torch
 warnings.filterwarnings("ignore")
 which, side = sys.argv[1], sys.argv[2]
@@ -78,8 +79,9 @@ def _child(model: str, side: str, checkout: Path | None) -> dict:
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = f"{checkout}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    done = subprocess.run([sys.executable, "-c", _CHILD, model, side, str(HERE.parent)], capture_output=True,
-                          text=True, env=env, check=False)
+    with tempfile.TemporaryDirectory() as cwd:  # so that the current folder does not decide which onnxport loads
+        done = subprocess.run([sys.executable, "-c", _CHILD, model, side, str(HERE.parent)], capture_output=True,
+                              text=True, env=env, cwd=cwd, check=False)
     if done.returncode:
         raise RuntimeError(f"{model} / {side}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -63,7 +63,11 @@ def run(
     scratch: Path | None = None,
 ) -> list[np.ndarray]:
     """Run ``model`` once in ONNX Runtime on CPU; a model it cannot load or run is a refusal."""
-    source = _source(model, scratch, "run.onnx")
+    return run_source(_source(model, scratch, "run.onnx"), feeds, optimized=optimized)
+
+
+def run_source(source: bytes | str, feeds: Mapping[str, np.ndarray], *, optimized: bool) -> list[np.ndarray]:
+    """:func:`run` on a serialised model or a file path."""
     level = "default" if optimized else "unoptimised"
     try:
         session = make_session(source, optimized=optimized)

@@ -55,17 +55,31 @@ class Pipeline:
     sessions: int = 0
     #: the steps that changed the graph, in order.
     changed: list[str] = field(default_factory=list)
+    _produced: bytes | str | None = field(default=None, repr=False)
 
     def _run(self, model: onnx.ModelProto | Path, *, optimized: bool, feeds=None) -> list[np.ndarray]:
         self.sessions += 1
         return _checks.run(model, self.feeds if feeds is None else feeds, optimized=optimized, scratch=self.scratch)
 
     def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = ()) -> None:
-        """Check the graph as the exporter produced it and compute the reference outputs from it."""
+        """Check the graph as the exporter produced it and keep it as the reference.
+
+        Its outputs are computed once, when the first step proven by identical outputs changes
+        the graph; an export whose steps change nothing (or only attributes) runs no extra session.
+        """
         proto = ir.to_proto(produced)
         for proof in proofs:
             proof(proto)
-        self.reference = self._run(proto, optimized=False)
+        self._produced = _checks._source(proto, self.scratch, "produced.onnx")
+
+    def _reference(self) -> list[np.ndarray]:
+        if self.reference is None:
+            if self._produced is None:
+                raise AssertionError("Pipeline.start must run before a step proven by identical outputs")
+            self.sessions += 1
+            self.reference = _checks.run_source(self._produced, self.feeds, optimized=False)
+            self._produced = None  # the serialised graph is not needed any more
+        return self.reference
 
     def apply(self, model: ir.Model, steps: Sequence[Step]) -> ir.Model:
         """Run ``steps`` in order on ``model``, proving each one that changes it."""
@@ -82,10 +96,9 @@ class Pipeline:
             if step.proof == "checker":
                 self._checker(proto, step.name)
             else:
-                if self.reference is None:
-                    raise AssertionError("Pipeline.start must run before a step proven by identical outputs")
                 self._checker(proto, step.name)
-                _checks.check_identical_outputs(self._run(proto, optimized=False), self.reference, f"Step '{step.name}'")
+                reference = self._reference()
+                _checks.check_identical_outputs(self._run(proto, optimized=False), reference, f"Step '{step.name}'")
         return model
 
     def _checker(self, proto: onnx.ModelProto, name: str) -> None:
