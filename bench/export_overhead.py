@@ -2,9 +2,9 @@
 peak memory, ONNX Runtime sessions and whole-model proto copies, on ResNet-50 (224x224) and a
 4-layer BERT (sequence 128).
 
-Each figure comes from a fresh process (the model built and quantized there, then peak memory
-reset before the export), interleaved bare / ours and best of two, so both sides see the same
-machine. Set ``ONNXPORT_BENCH_AGAINST=/path/to/other/checkout`` to add a column for another
+Time: the model is built and quantized once in a process; after one warm-up export of each
+kind, bare and ours alternate five times (median reported), so both sides see the same machine.
+Peak memory: one export in a fresh process each, counted from the quantized model in memory. Set ``ONNXPORT_BENCH_AGAINST=/path/to/other/checkout`` to add a column for another
 onnxport (an older commit) measured in the same run.
 
     python -m bench export_overhead
@@ -21,15 +21,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("ResNet-50", "BERT")
-REPEATS = 2
+REPEATS = 5
 
 _CHILD = r"""
-import json, sys, tempfile, time, warnings
+import json, statistics, sys, tempfile, time, warnings
 from pathlib import Path
-sys.path.append(sys.argv[3])  # the bench's checkout, for the test models (onnxport comes from before it)
+sys.path.append(sys.argv[2])  # the bench's checkout, for the test models (onnxport comes from before it)
 import torch
 warnings.filterwarnings("ignore")
-which, side = sys.argv[1], sys.argv[2]
+which, repeats, mode = sys.argv[1], int(sys.argv[3]), sys.argv[4]
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -61,60 +61,76 @@ def counted_to_proto(*args, **kwargs):
     return to_proto(*args, **kwargs)
 onnxruntime.InferenceSession, onnx_ir.to_proto = Counted, counted_to_proto
 
-with tempfile.TemporaryDirectory() as out:
-    open("/proc/self/clear_refs", "w").write("5")  # peak memory counts from here
-    before = rss("VmRSS:")
-    start = time.perf_counter()
-    if side == "bare":
-        torch.onnx.export(quantized, (sample,), str(Path(out) / "bare.onnx"), dynamo=True, opset_version=18,
-                          verbose=False, dynamic_shapes=({0: torch.export.Dim("batch")},))
-    else:
-        export_qdq(quantized, sample, Path(out) / "ours.onnx", dynamic_batch=True)
-    seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "peak_above_start": rss("VmHWM:") - before, **counts}))
+def bare(out):
+    torch.onnx.export(quantized, (sample,), str(out / "bare.onnx"), dynamo=True, opset_version=18, verbose=False,
+                      dynamic_shapes=({0: torch.export.Dim("batch")},))
+
+def ours(out):
+    export_qdq(quantized, sample, out / "ours.onnx", dynamic_batch=True)
+
+if mode != "time":  # one export in a fresh process: its peak memory above the quantized model
+    with tempfile.TemporaryDirectory() as folder:
+        open("/proc/self/clear_refs", "w").write("5")  # peak memory counts from here
+        before = rss("VmRSS:")
+        (bare if mode == "bare" else ours)(Path(folder))
+        print(json.dumps({"peak_above_start": rss("VmHWM:") - before}))
+    sys.exit(0)
+figures = {"bare": [], "export_qdq": []}
+with tempfile.TemporaryDirectory() as folder:
+    out = Path(folder)
+    bare(out), ours(out)  # warm both: imports, registries, caches
+    for _ in range(repeats):
+        for name, export in (("bare", bare), ("export_qdq", ours)):
+            counts.update(sessions=0, proto_copies=0)
+            start = time.perf_counter()
+            export(out)
+            figures[name].append({"seconds": time.perf_counter() - start, **counts})
+result = {}
+for name, runs in figures.items():
+    result[name] = {"seconds": statistics.median(r["seconds"] for r in runs),
+                    "all_seconds": [round(r["seconds"], 2) for r in runs],
+                    "sessions": runs[0]["sessions"], "proto_copies": runs[0]["proto_copies"]}
+print(json.dumps(result))
 """
 
 
-def _child(model: str, side: str, checkout: Path | None) -> dict:
+def _child(model: str, checkout: Path | None, mode: str = "time") -> dict:
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = f"{checkout}{os.pathsep}{env.get('PYTHONPATH', '')}"
     with tempfile.TemporaryDirectory() as cwd:  # so that the current folder does not decide which onnxport loads
-        done = subprocess.run([sys.executable, "-c", _CHILD, model, side, str(HERE.parent)], capture_output=True,
-                              text=True, env=env, cwd=cwd, check=False)
+        done = subprocess.run([sys.executable, "-c", _CHILD, model, str(HERE.parent), str(REPEATS), mode],
+                              capture_output=True, text=True, env=env, cwd=cwd, check=False)
     if done.returncode:
-        raise RuntimeError(f"{model} / {side}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
+        raise RuntimeError(f"{model}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run() -> dict:
     against = os.environ.get("ONNXPORT_BENCH_AGAINST")
-    sides = {"bare": ("bare", None), "export_qdq": ("ours", None)}
-    if against:
-        sides["export_qdq (other checkout)"] = ("ours", Path(against))
     results: dict = {}
     for model in MODELS:
-        runs: dict[str, list[dict]] = {name: [] for name in sides}
-        for _ in range(REPEATS):
-            for name, (side, checkout) in sides.items():
-                runs[name].append(_child(model, side, checkout))
-                print(f"    {model} {name}: {runs[name][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
-        best = {name: min(rs, key=lambda r: r["seconds"]) for name, rs in runs.items()}
-        entry = {name: {**figures, "peak_above_start": min(r["peak_above_start"] for r in runs[name])}
-                 for name, figures in best.items()}
-        for name in sides:
-            if name != "bare":
-                entry[name]["time_vs_bare"] = entry[name]["seconds"] / entry["bare"]["seconds"]
-                entry[name]["peak_vs_bare"] = entry[name]["peak_above_start"] / max(1, entry["bare"]["peak_above_start"])
+        entry = {}
+        checkouts = [("", None)] + ([(" (other checkout)", Path(against))] if against else [])
+        for label, checkout in checkouts:
+            measured = _child(model, checkout)
+            bare, ours = measured["bare"], measured["export_qdq"]
+            bare["peak_above_start"] = _child(model, checkout, "bare")["peak_above_start"]
+            ours["peak_above_start"] = _child(model, checkout, "ours")["peak_above_start"]
+            ours["time_vs_bare"] = ours["seconds"] / bare["seconds"]
+            ours["peak_vs_bare"] = ours["peak_above_start"] / max(1, bare["peak_above_start"])
+            entry[f"bare{label}"], entry[f"export_qdq{label}"] = bare, ours
+            print(f"    {model}{label}: bare {bare['all_seconds']}, export_qdq {ours['all_seconds']}",
+                  file=sys.stderr, flush=True)
         results[model] = entry
     return results
 
 
 def report(results: dict) -> str:
-    lines = ["export_qdq against a bare torch.onnx.export of the same pt2e model (fresh process each, best of "
-             f"{REPEATS})",
-             f"  {'model':<10} {'exporter':<28} {'seconds':>8} {'x bare':>7} {'peak MB':>8} {'x bare':>7} "
-             f"{'ORT sessions':>12} {'proto copies':>12}"]
+    lines = [("export_qdq against a bare torch.onnx.export of the same pt2e model (interleaved in one process, "
+              f"median of {REPEATS})"),
+             (f"  {'model':<10} {'exporter':<28} {'seconds':>8} {'x bare':>7} {'peak MB':>8} {'x bare':>7} "
+              f"{'ORT sessions':>12} {'proto copies':>12}")]
     for model, entry in results.items():
         for name, f in entry.items():
             lines.append(

@@ -68,10 +68,17 @@ def run(
 
 def run_source(source: bytes | str, feeds: Mapping[str, np.ndarray], *, optimized: bool) -> list[np.ndarray]:
     """:func:`run` on a serialised model or a file path."""
+    return run_batches(source, [feeds], optimized=optimized)[0]
+
+
+def run_batches(
+    source: bytes | str, batches: list[Mapping[str, np.ndarray]], *, optimized: bool
+) -> list[list[np.ndarray]]:
+    """One ONNX Runtime session on ``source``, run once per feed dict in ``batches``."""
     level = "default" if optimized else "unoptimised"
     try:
         session = make_session(source, optimized=optimized)
-        return session.run(None, dict(feeds))
+        return [session.run(None, dict(feeds)) for feeds in batches]
     except Exception as error:  # ORT's pybind errors share no base class worth naming
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExportRefusedError(

@@ -3,11 +3,12 @@ file's proofs, with the file written once.
 
 A step is an ``onnx_ir`` pass and the proof that its result still computes what the exporter
 produced: ``'identical outputs'`` (ONNX Runtime, unoptimised, byte for byte against the
-reference outputs, which are computed once) or ``'checker'`` (``onnx.checker`` with shape
-inference, for rewrites that change no value). A step that changes nothing is not proven again.
-A refusal names its step. After the file is written, :meth:`Pipeline.prove_file` checks it as
-the user will read it: the checker, the declared opset, a target's rules, and runs at ONNX
-Runtime's default level (at two batch sizes when the batch is dynamic).
+reference outputs, which are computed once, when first needed) or ``'checker'`` (for rewrites
+that change no value). A step that changes nothing is not proven again, and a refusal names its
+step. Every step that changed the graph is also held to ``onnx.checker`` with full shape
+inference, run once on the written file: :meth:`Pipeline.prove_file` checks the file as the user
+will read it — that checker, the declared opset, the record's rules, and runs at ONNX Runtime's
+default level (at two batch sizes, in one session, when the batch is dynamic).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Pipeline:
     sessions: int = 0
     #: the steps that changed the graph, in order.
     changed: list[str] = field(default_factory=list)
-    _produced: bytes | str | None = field(default=None, repr=False)
+    _produced: onnx.ModelProto | None = field(default=None, repr=False)
 
     def _run(self, model: onnx.ModelProto | Path, *, optimized: bool, feeds=None) -> list[np.ndarray]:
         self.sessions += 1
@@ -70,15 +71,14 @@ class Pipeline:
         proto = ir.to_proto(produced)
         for proof in proofs:
             proof(proto)
-        self._produced = _checks._source(proto, self.scratch, "produced.onnx")
+        self._produced = proto
 
     def _reference(self) -> list[np.ndarray]:
         if self.reference is None:
             if self._produced is None:
                 raise AssertionError("Pipeline.start must run before a step proven by identical outputs")
-            self.sessions += 1
-            self.reference = _checks.run_source(self._produced, self.feeds, optimized=False)
-            self._produced = None  # the serialised graph is not needed any more
+            self.reference = self._run(self._produced, optimized=False)
+            self._produced = None  # the produced graph is not needed any more
         return self.reference
 
     def apply(self, model: ir.Model, steps: Sequence[Step]) -> ir.Model:
@@ -92,24 +92,20 @@ class Pipeline:
             if not result.modified:
                 continue
             self.changed.append(step.name)
-            proto = ir.to_proto(model)
-            if step.proof == "checker":
-                self._checker(proto, step.name)
-            else:
-                self._checker(proto, step.name)
+            if step.proof == "identical outputs":
                 reference = self._reference()
-                _checks.check_identical_outputs(self._run(proto, optimized=False), reference, f"Step '{step.name}'")
+                proto = ir.to_proto(model)
+                try:
+                    got = self._run(proto, optimized=False)
+                except ExportRefusedError as error:
+                    raise ExportRefusedError(f"Step '{step.name}': {error}") from error
+                del proto
+                _checks.check_identical_outputs(got, reference, f"Step '{step.name}'")
         return model
-
-    def _checker(self, proto: onnx.ModelProto, name: str) -> None:
-        source = _checks._source(proto, self.scratch, "checked.onnx")
-        try:
-            onnx.checker.check_model(proto if isinstance(source, bytes) else source, full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-            raise ExportRefusedError(f"Step '{name}': the graph fails onnx.checker: {error}; nothing was kept.") from error
 
     def write(self, model: ir.Model, path: Path, *, external_data: bool | None = None) -> Path:
         """Write the final graph once (inside :func:`onnxport._io.staged_output`)."""
+        self._produced = None  # the steps are over: the reference graph is not needed any more
         return write_model(ir.to_proto(model), path, external_data=external_data)
 
     def prove_file(
@@ -120,16 +116,24 @@ class Pipeline:
         dynamic_batch: bool,
         rules: Iterable[Callable[[Path], None]] = (),
     ) -> None:
-        """The written file's promises: checker, declared opset, ``rules``, default-level runs."""
+        """The written file's promises: the full checker (the proof of every step that changed the
+        graph; a failure names them), declared opset, ``rules``, and runs at the default level —
+        at two batch sizes, in one session, when the batch is dynamic."""
         try:
-            onnx.checker.check_model(str(path))
-        except onnx.checker.ValidationError as error:
-            raise ExportRefusedError(f"The written file fails onnx.checker: {error}; nothing was kept.") from error
+            onnx.checker.check_model(str(path), full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+            after = f" (after the steps {', '.join(map(repr, self.changed))})" if self.changed else ""
+            raise ExportRefusedError(
+                f"The written file fails onnx.checker{after}: {str(error).strip().splitlines()[0]}; nothing was kept."
+            ) from error
         header = onnx.load_model(str(path), load_external_data=False)
         _checks.check_declared_opset(header, opset)
-        for rule in rules:
-            rule(path)
-        self._run(path, optimized=True)
         if dynamic_batch:
             _checks.check_dynamic_batch(header)
-            self._run(path, optimized=True, feeds={k: np.concatenate([v, v[:1]]) for k, v in self.feeds.items()})
+        for rule in rules:
+            rule(path)
+        batches = [self.feeds]
+        if dynamic_batch:
+            batches.append({k: np.concatenate([v, v[:1]]) for k, v in self.feeds.items()})
+        self.sessions += 1
+        _checks.run_batches(str(path), batches, optimized=True)

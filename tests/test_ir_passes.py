@@ -238,3 +238,20 @@ def test_strip_qdq_reaches_if_bodies_and_keeps_output_names():
         picked, total = run(stripped, {"x": x, "flag": np.array(flag)}, optimized=False)
         np.testing.assert_array_equal(picked, x + (w * 0.5).astype(np.float32))
         np.testing.assert_array_equal(total, (w * 0.5).astype(np.float32))
+
+
+def test_onnxslim_pass_is_honest_about_modified():
+    from onnxport.passes.optimize import OnnxSlimPass
+
+    # Identity chains and a constant subexpression: something for onnxslim to fold away
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["two", "two"], ["four"]), helper.make_node("Identity", ["x"], ["xi"]),
+         helper.make_node("Mul", ["xi", "four"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", FLOAT, [2, 3])], [helper.make_tensor_value_info("y", FLOAT, [2, 3])],
+        [_c("two", np.full((1, 3), 2.0, np.float32))])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    first = OnnxSlimPass()(model)
+    assert first.modified and len(first.model.graph) < 3
+    assert OnnxSlimPass()(first.model).modified is False  # nothing left to slim
+    x = RNG.standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(run(ir.to_proto(first.model), {"x": x}, optimized=False)[0], x * 4)

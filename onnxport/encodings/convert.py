@@ -12,7 +12,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import helper, numpy_helper
+from onnx_ir.passes.common import TopologicalSortPass
 from tqdm.auto import tqdm
 
 from .._graph import all_names, opset_of, tensor_value, unique_name, walk_graphs
@@ -357,50 +359,63 @@ class _Rewriter:
                         node.input[i] = new
 
     def finish(self) -> None:
-        for graph in walk_graphs(self.model.graph):
-            used = {i for g in walk_graphs(graph) for n in g.node for i in n.input} | {o.name for o in graph.output}
+        """Drop the float constants the prequantized ones replaced (where nothing reads them any
+        more) and put every graph in topological order — with onnx_ir as the index of the proto,
+        so that no weight is copied."""
+        for proto_graph, ir_graph in _ir_index(self.model)[1]:
+            unread = {
+                v.name for v in ir_graph.initializers.values()
+                if v.name in self.dead_constants and not v.uses() and not v.is_graph_output()
+            } | {
+                n.outputs[0].name for n in ir_graph
+                if n.op_type == "Constant" and n.outputs[0].name in self.dead_constants and not n.outputs[0].uses()
+                and not n.outputs[0].is_graph_output()
+            }
             # Deleted in place: re-adding the kept ones would copy every weight held in memory.
-            for index in reversed(range(len(graph.initializer))):
-                name = graph.initializer[index].name
-                if name in self.dead_constants and name not in used:
-                    del graph.initializer[index]
-            nodes = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in self.dead_constants and n.output[0] not in used)]
-            _topological_sort(graph, nodes)
+            for index in reversed(range(len(proto_graph.initializer))):
+                if proto_graph.initializer[index].name in unread:
+                    del proto_graph.initializer[index]
+            for index in reversed(range(len(proto_graph.node))):
+                node = proto_graph.node[index]
+                if node.op_type == "Constant" and node.output[0] in unread:
+                    del proto_graph.node[index]
+        _sort_in_place(self.model)
 
 
-def _topological_sort(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
-    produced_here = {o for n in nodes for o in n.output if o}
-    ready = set()
-    order: list[onnx.NodeProto] = []
-    pending = list(nodes)
-    while pending:
-        progressed = []
-        rest = []
-        for node in pending:
-            needs = {i for i in _all_inputs(node) if i in produced_here}
-            if needs <= ready:
-                progressed.append(node)
-            else:
-                rest.append(node)
-        if not progressed:
-            order += rest  # a cycle: keep the remaining order and let the checker speak
-            break
-        for node in progressed:
-            order.append(node)
-            ready.update(o for o in node.output if o)
-        pending = rest
-    del graph.node[:]
-    graph.node.extend(order)
+def _ir_index(model: onnx.ModelProto) -> tuple[ir.Model, list[tuple[onnx.GraphProto, ir.Graph]]]:
+    """Each graph of ``model`` (bodies too) beside its onnx_ir view, node for node.
+
+    ``ir.from_proto`` wraps the tensors without copying them, so the view is cheap; the proto
+    stays the model that is edited and returned.
+    """
+    pairs: list[tuple[onnx.GraphProto, ir.Graph]] = []
+
+    def pair(proto_graph: onnx.GraphProto, ir_graph: ir.Graph) -> None:
+        pairs.append((proto_graph, ir_graph))
+        for proto_node, ir_node in zip(proto_graph.node, ir_graph):
+            for attr in proto_node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    pair(attr.g, ir_node.attributes[attr.name].as_graph())
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for inner, ir_inner in zip(attr.graphs, ir_node.attributes[attr.name].as_graphs()):
+                        pair(inner, ir_inner)
+
+    view = ir.from_proto(model)
+    pair(model.graph, view.graph)
+    return view, pairs
 
 
-def _all_inputs(node: onnx.NodeProto) -> set[str]:
-    names = {i for i in node.input if i}
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-        for g in graphs:
-            for inner in walk_graphs(g):
-                names.update(i for n in inner.node for i in n.input if i)
-    return names
+def _sort_in_place(model: onnx.ModelProto) -> None:
+    """Reorder every graph's nodes (bodies too) as onnx_ir's ``TopologicalSortPass`` orders them."""
+    view, pairs = _ir_index(model)
+    position = {id(node): index for _, ir_graph in pairs for index, node in enumerate(ir_graph)}
+    TopologicalSortPass()(view)
+    for proto_graph, ir_graph in pairs:
+        order = [position[id(node)] for node in ir_graph]
+        if order != sorted(order):
+            nodes = [proto_graph.node[i] for i in order]
+            del proto_graph.node[:]
+            proto_graph.node.extend(nodes)
 
 
 def _narrowest(values: np.ndarray) -> str:
