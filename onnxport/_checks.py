@@ -1,4 +1,4 @@
-"""Post-conditions checked on produced files: opset, dynamic batch, identical outputs."""
+"""Post-conditions checked on produced graphs and files: opset, dynamic batch, identical outputs, runs."""
 
 from __future__ import annotations
 
@@ -63,12 +63,7 @@ def run(
     scratch: Path | None = None,
 ) -> list[np.ndarray]:
     """Run ``model`` once in ONNX Runtime on CPU; a model it cannot load or run is a refusal."""
-    return run_source(_source(model, scratch, "run.onnx"), feeds, optimized=optimized)
-
-
-def run_source(source: bytes | str, feeds: Mapping[str, np.ndarray], *, optimized: bool) -> list[np.ndarray]:
-    """:func:`run` on a serialised model or a file path."""
-    return run_batches(source, [feeds], optimized=optimized)[0]
+    return run_batches(_source(model, scratch, "run.onnx"), [feeds], optimized=optimized)[0]
 
 
 def run_batches(
@@ -99,28 +94,3 @@ def check_identical_outputs(
             raise ExportRefusedError(
                 f"{what}: output {index} differs from the graph as produced (max abs diff {diff:.3g}); nothing was kept."
             )
-
-
-def check_lowered(
-    lowered: onnx.ModelProto,
-    produced: onnx.ModelProto,
-    feeds: Mapping[str, np.ndarray],
-    scratch: Path | None = None,
-) -> None:
-    """A lowered graph must pass the checker at its opset and run byte-identically to the original.
-
-    ``scratch`` is a folder for models over 2 GB, which can only be checked and run from files.
-    """
-    lowered_source = _source(lowered, scratch, "lowered.onnx")
-    try:
-        if isinstance(lowered_source, bytes):
-            onnx.checker.check_model(lowered, full_check=True)
-        else:
-            onnx.checker.check_model(lowered_source, full_check=True)
-    except onnx.checker.ValidationError as error:
-        raise ExportRefusedError(
-            f"The graph lowered to opset {opset_of(lowered)} fails onnx.checker: {error}; nothing was kept."
-        ) from error
-    what = f"The graph lowered to opset {opset_of(lowered)}"
-    got = make_session(lowered_source, optimized=False).run(None, dict(feeds))
-    check_identical_outputs(got, run(produced, feeds, optimized=False, scratch=scratch), what)

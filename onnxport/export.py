@@ -10,10 +10,9 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
-from ._io import check_output_path, needs_external_data, staged_output, write_model
+from ._io import check_output_path, external_data_files, staged_output
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
 from .passes.lower_opset import LowerOpsetPass
 from .passes.optimize import OnnxSlimPass
@@ -200,11 +199,9 @@ def export_onnx(
         graph = pipeline.apply(graph, float_steps(opset_version, optimize))
         bar.update()
         float_path = staged if not quantize else staged.with_name("float.onnx")
-        proto = ir.to_proto(graph)
+        pipeline.write(graph, float_path)
         del graph
-        large = needs_external_data(proto)
-        write_model(proto, float_path, external_data=large)
-        del proto
+        large = bool(external_data_files(float_path))
         bar.update()
         pipeline.prove_file(float_path, opset=opset_version, dynamic_batch=dynamic_batch)
         bar.update()
