@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import ExportRefusedError, InvalidArgumentError
 
@@ -85,7 +88,11 @@ def torch_program(
     inputs = tracing_inputs(inputs, dynamic_batch)
     chatter = io.StringIO()
     try:
-        with quiet_registry(), warnings.catch_warnings(), contextlib.redirect_stdout(chatter):
+        # The math backend during capture: with the default choice, the stride the tracer gives an
+        # SDPA output makes a later reshape a view that the ONNX decomposition then cannot apply
+        # (transformers' Swin: "Cannot view a tensor …"); the ONNX translation of SDPA is the same.
+        with quiet_registry(), warnings.catch_warnings(), contextlib.redirect_stdout(chatter), \
+                sdpa_kernel(SDPBackend.MATH):
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*The axis name")
@@ -103,12 +110,34 @@ def torch_program(
                 custom_translation_table=custom_translation_table,
             )
     except Exception as error:  # the exporter raises many types; the cause is kept as __cause__
-        cause = str(error).strip().splitlines()
-        raise ExportRefusedError(
-            f"torch.onnx.export (torch.export) could not capture {type(model).__name__}: "
-            f"{type(error).__name__}: {cause[0] if cause else ''}. Make the model traceable by "
-            f"torch.export (no data-dependent Python control flow), or check the sample's shapes."
-        ) from error
+        raise ExportRefusedError(_capture_failure(model, error, dynamic_batch)) from error
     if program is None:
         raise ExportRefusedError("torch.onnx.export returned no program.")
     return program
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MODEL_CODE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_SYMBOLIC = re.compile(r"\bs\d+\b")
+
+
+def _capture_failure(model: torch.nn.Module, error: BaseException, dynamic_batch: bool) -> str:
+    """A sentence naming the model, the construct torch failed on and where, and what to try.
+
+    The exporter wraps the real failure in several layers; the innermost one says what went
+    wrong, and its "Original traceback" names the line of model code.
+    """
+    root = error
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = _ANSI.sub("", str(root)).strip()
+    what = next((line.strip() for line in text.splitlines() if line.strip()), type(root).__name__)
+    places = _MODEL_CODE.findall(text) or _MODEL_CODE.findall(_ANSI.sub("", str(error)))
+    where = f" (at {Path(places[-1][0]).name}:{places[-1][1]}, in {places[-1][2]})" if places else ""
+    hint = ("Make the model traceable by torch.export (no data-dependent Python control flow), or check the "
+            "sample's shapes.")
+    if dynamic_batch and _SYMBOLIC.search(text):
+        hint = ("The failure involves the symbolic batch size: this model cannot be captured with a dynamic batch; "
+                "export with dynamic_batch=False.")
+    return (f"torch.onnx.export (torch.export) could not capture {type(model).__name__}: "
+            f"{type(root).__name__}: {what[:300]}{where}. {hint}")

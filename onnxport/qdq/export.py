@@ -13,6 +13,7 @@ from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
+from ..passes.global_pool import GlobalPoolPass
 from ..passes.lower_opset import LowerOpsetPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
 from ..pipeline import Pipeline, Step
@@ -165,6 +166,7 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
     steps = [
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
         Step("fold weight transposes", FoldWeightTransposePass(), "identical outputs"),
+        Step("whole-input pools as global pools", GlobalPoolPass(), "checker"),  # see float_steps
         Step("add Conv kernel_shape", AddConvKernelShapePass(), "checker"),
         Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"),
     ]
