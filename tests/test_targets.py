@@ -186,3 +186,24 @@ def test_qnn_rules():
     assert any("UINT8" in p for p in check_target(_conv_graph(7, np.uint8, weight_dtype=np.uint8), "qnn"))
     with pytest.raises(InvalidArgumentError, match="target must be one of"):
         check_target(_conv_graph(0), "coreml")
+
+
+@pytest.mark.parametrize("target, act_dtype, act_zp, const_dtype, const_zp", [
+    ("qnn", np.uint8, 7, np.uint8, 7),  # QNN: the constant pair is uint8 like every activation
+    ("onnxruntime", np.uint8, 128, np.int8, 0),  # ORT: the uint8 move leaves a constant's pair int8
+])
+def test_a_quantized_constant_that_is_no_weight_follows_neither_rule(target, act_dtype, act_zp, const_dtype, const_zp):
+    """Transformers fold position tables and masks into constants that pt2e quantizes with the
+    activation spec: Q(constant) -> DQ -> Add. Such a pair is neither a weight nor an activation."""
+    model = _conv_graph(act_zp, act_dtype)
+    g = model.graph
+    g.initializer.extend([_c("table", np.ones((1, 2, 4, 4), np.float32)), _c("ts", np.float32(0.05)),
+                          _c("tz", const_dtype(const_zp))])
+    dq_y = next(n for n in g.node if n.name == "dq_y")
+    dq_y.output[0] = "y_act"
+    g.node.extend([helper.make_node("QuantizeLinear", ["table", "ts", "tz"], ["tq"], name="q_table"),
+                   helper.make_node("DequantizeLinear", ["tq", "ts", "tz"], ["td"], name="dq_table"),
+                   helper.make_node("Add", ["y_act", "td"], ["y"], name="add_table")])
+    assert check_target(model, target) == []
+    # the same integers stored as a weight the conv reads would break the weight rule
+    assert any("wants int8 weights" in p for p in check_target(_conv_graph(act_zp, act_dtype, weight_dtype=np.uint8), target))

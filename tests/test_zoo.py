@@ -35,3 +35,20 @@ def test_float_export_matches_torch_and_runs_the_same_in_openvino(tmp_path, name
     if entry.kind != "audio":  # logits: the same class everywhere
         assert (ov_first.argmax(-1) == ort_first.argmax(-1)).all()
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["BERT", "GPT-2", "Llama", "Whisper encoder"])
+@pytest.mark.parametrize("target", ["onnxruntime", "qnn"])
+def test_transformers_meet_the_onnxruntime_and_qnn_targets(tmp_path, name, target):
+    """Transformer graphs hold constants pt2e quantizes with the activation spec (position
+    tables, masks): the target's rules must hold on the file and the file must agree with its
+    pt2e model."""
+    from onnxport import Quantizer, compare_qdq, export_qdq
+
+    entry = ZOO[name]
+    model = entry.model()
+    quantized = Quantizer(target=target).quantize(model, [entry.sample(batch=4, seed=s) for s in (10, 11)])
+    path = export_qdq(quantized, entry.sample(), tmp_path / "model.onnx", dynamic_batch=True)  # check_target inside
+    first = compare_qdq(quantized, path, entry.sample(batch=4, seed=3)).outputs[0]
+    assert first.cosine_similarity >= 0.999, first

@@ -125,6 +125,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     opset = opset_of(model)
     problems: list[str] = []
     activation_types: Counter[int] = Counter()
+    weight_inputs = _weight_inputs(model)
     for q in qdq_nodes(model, base):
         zp, dtype = q.zero_point_values(), q.dtype if q.zero_point is not None else None
         label = _label(q.node)
@@ -136,7 +137,11 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
             problems.append(f"{label} is unsigned; {rules.consumer} rejects UINT8 QuantizeLinear/DequantizeLinear.")
         if not rules.int32_bias_allowed and q.kind == "bias":
             problems.append(f"{label} dequantizes an int32 bias, which {rules.consumer}'s parser rejects.")
-        if q.kind != "weight" or dtype is None:
+        # A weight is a dequantized constant that a Conv/Gemm/MatMul reads as its weight. Other
+        # constant pairs (a position table or mask the exporter folded, quantized with the
+        # activation spec) follow neither the weight rules nor the activation ones.
+        is_weight = q.kind == "weight" and q.op_type == "DequantizeLinear" and q.node.output[0] in weight_inputs
+        if not is_weight or dtype is None:
             continue
         if rules.weight_type is not None and dtype != rules.weight_type:
             problems.append(f"{label} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; "
@@ -161,6 +166,16 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     if rules.relu_range_from_zero:
         problems += _ort_unfoldable_relus(model, consts, base)
     return problems
+
+
+def _weight_inputs(model: onnx.ModelProto) -> set[str]:
+    """Values read as the weight (input 1) of a Conv, ConvTranspose, Gemm or MatMul."""
+    return {
+        node.input[1]
+        for graph in walk_graphs(model.graph)
+        for node in graph.node
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and is_default_domain(node) and len(node.input) > 1
+    }
 
 
 def _ort_unfoldable_relus(model: onnx.ModelProto, consts: dict, base: Path | None) -> list[str]:
