@@ -1,4 +1,5 @@
-"""Small pure graph rewrites: each does one thing, is idempotent, and returns a new model."""
+"""Graph rewrites, each an ``onnx_ir`` pass that does one thing, is idempotent and reaches into
+subgraphs; the function forms exported here take and return an ``onnx.ModelProto`` (a new one)."""
 
 from .conv_kernel_shape import add_conv_kernel_shape, convs_missing_kernel_shape
 from .fold_weight_transpose import fold_weight_transpose
