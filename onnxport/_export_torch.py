@@ -110,7 +110,7 @@ def torch_program(
                 custom_translation_table=custom_translation_table,
             )
     except Exception as error:  # the exporter raises many types; the cause is kept as __cause__
-        raise ExportRefusedError(_capture_failure(model, error, dynamic_batch)) from error
+        raise ExportRefusedError(_capture_failure(model, error)) from error
     if program is None:
         raise ExportRefusedError("torch.onnx.export returned no program.")
     return program
@@ -118,10 +118,9 @@ def torch_program(
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _MODEL_CODE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
-_SYMBOLIC = re.compile(r"\bs\d+\b")
 
 
-def _capture_failure(model: torch.nn.Module, error: BaseException, dynamic_batch: bool) -> str:
+def _capture_failure(model: torch.nn.Module, error: BaseException) -> str:
     """A sentence naming the model, the construct torch failed on and where, and what to try.
 
     The exporter wraps the real failure in several layers; the innermost one says what went
@@ -135,9 +134,6 @@ def _capture_failure(model: torch.nn.Module, error: BaseException, dynamic_batch
     places = _MODEL_CODE.findall(text) or _MODEL_CODE.findall(_ANSI.sub("", str(error)))
     where = f" (at {Path(places[-1][0]).name}:{places[-1][1]}, in {places[-1][2]})" if places else ""
     hint = ("Make the model traceable by torch.export (no data-dependent Python control flow), or check the "
-            "sample's shapes.")
-    if dynamic_batch and _SYMBOLIC.search(text):
-        hint = ("The failure involves the symbolic batch size: this model cannot be captured with a dynamic batch; "
-                "export with dynamic_batch=False.")
+            "sample's shapes (dynamic_batch=False if the failure involves the batch size).")
     return (f"torch.onnx.export (torch.export) could not capture {type(model).__name__}: "
             f"{type(root).__name__}: {what[:300]}{where}. {hint}")

@@ -59,7 +59,8 @@ def load_model(spec: str) -> Any:
         import torch.ao.quantization.fx._decomposed  # registers the ops a saved pt2e program calls
 
         logger = logging.getLogger("torch.export")  # it logs a traceback for an unreadable archive
-        level, logger.level = logger.level, logging.CRITICAL
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)  # setLevel, not the attribute: it clears logging's cache
         try:
             return torch.export.load(spec).module()
         except Exception as error:  # torch raises zip, pickle and runtime errors alike

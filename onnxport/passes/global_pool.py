@@ -35,7 +35,7 @@ def _covers_whole_input(node: ir.Node) -> bool:
     auto_pad = node.attributes.get("auto_pad")
     if auto_pad is not None and auto_pad.as_string() not in ("NOTSET", ""):
         return False
-    return (kernel is not None and len(kernel) == len(spatial_in) and any(pads) is False
+    return (kernel is not None and len(kernel) == len(spatial_in) and not any(pads)
             and all(d == 1 for d in dilations) and all(k >= d for k, d in zip(kernel, spatial_in)))
 
 

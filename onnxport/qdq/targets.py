@@ -15,7 +15,7 @@ from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from .view import qdq_nodes
 
-_U8, _U16, _I8, _I16 = onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.INT8, onnx.TensorProto.INT16
+_U8, _U16, _I8 = onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.INT8
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ class Target:
         return self.opset_16bit if activation_bits == 16 else self.opset
 
 
-#: The presets, by name; ``None`` is what a model quantized without a target gets.
-REGISTRY: dict[str | None, Target] = {
+#: The presets, by name.
+REGISTRY: dict[str, Target] = {
     "tensorrt": Target(
         "tensorrt", "TensorRT 8.6+", "symmetric", opset=17, max_opset=17, zero_points_zero="all",
         unsigned_allowed=False, int32_bias_allowed=False, needs_kernel_shape=True,
@@ -90,8 +90,9 @@ REGISTRY: dict[str | None, Target] = {
         activation_hint="QNN reads uint8 (or uint16) activations.",
     ),
 }
-DEFAULT_TARGET = Target("default", "any ONNX consumer", "symmetric", activation_bits=(8, 16))
-TARGETS = tuple(name for name in REGISTRY if name is not None)
+#: What a model quantized without a target gets.
+DEFAULT_TARGET = Target("default", "any ONNX consumer", "symmetric")
+TARGETS = tuple(REGISTRY)
 
 
 def target_record(name: str | None) -> Target:
@@ -140,7 +141,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
         # A weight is a dequantized constant that a Conv/Gemm/MatMul reads as its weight. Other
         # constant pairs (a position table or mask the exporter folded, quantized with the
         # activation spec) follow neither the weight rules nor the activation ones.
-        is_weight = q.kind == "weight" and q.op_type == "DequantizeLinear" and q.node.output[0] in weight_inputs
+        is_weight = q.kind == "constant" and q.op_type == "DequantizeLinear" and q.node.output[0] in weight_inputs
         if not is_weight or dtype is None:
             continue
         if rules.weight_type is not None and dtype != rules.weight_type:

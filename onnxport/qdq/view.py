@@ -31,8 +31,8 @@ class QDQNode:
         zero_point: the zero-point constant; ``None`` when omitted or computed (see
             :attr:`zero_point_input`).
         integers: for a DequantizeLinear of a constant, the stored integers (a weight or bias).
-        kind: ``'weight'`` (the pair quantizes a constant), ``'bias'`` (a DequantizeLinear of an
-            int32 constant) or ``'activation'``.
+        kind: ``'constant'`` (the pair quantizes a constant: a weight, or a table the exporter
+            folded), ``'bias'`` (a DequantizeLinear of an int32 constant) or ``'activation'``.
         base: the folder external data is read from.
     """
 
@@ -121,11 +121,11 @@ def qdq_nodes(model: onnx.ModelProto, base: str | Path | None = None) -> list[QD
             if source is None:
                 quantizer = made_by.get(node.input[0])
                 of_constant = quantizer is not None and quantizer.op_type == "QuantizeLinear" and quantizer.input[0] in consts
-                kind = "weight" if of_constant else "activation"  # Q(constant) -> DQ is how QAT graphs store weights
+                kind = "constant" if of_constant else "activation"  # Q(constant) -> DQ is how QAT graphs store weights
             elif node.op_type == "DequantizeLinear" and source.data_type == onnx.TensorProto.INT32:
                 kind = "bias"
             else:
-                kind = "weight"
+                kind = "constant"
             found.append(QDQNode(
                 node, graph, consts.get(node.input[1]), consts.get(zp_name) if zp_name else None,
                 source if node.op_type == "DequantizeLinear" else None, kind, base,

@@ -14,13 +14,13 @@ from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
 from .._torch import require_module
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
+from ..qdq.targets import TARGETS, target_record
 from .annotate import AnnotationContext, annotate_graph
 from .calibration import read_calibration
 from .observers import OBSERVERS, activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
 from .weight_only import WEIGHT_ONLY_BITS, drop_bound_reprs, quantize_weight_only
-from ..qdq.targets import TARGETS, target_record
 
 BACKENDS = ("pt2e", "torchao")
 PT2E_METHODS = ("static", "qat")
@@ -198,9 +198,7 @@ class Quantizer:
         if target is not None and backend != "pt2e":
             raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
         sixteen = [name for name in TARGETS if 16 in target_record(name).activation_bits]
-        if activation_bits not in (8, 16) or (target is not None and activation_bits not in record.activation_bits) or (
-            target is None and activation_bits == 16
-        ):
+        if activation_bits not in record.activation_bits:
             raise InvalidArgumentError(
                 f"activation_bits must be 8, or 16 with target={' or '.join(map(repr, sixteen))} (A16W8), "
                 f"not {activation_bits!r}."
