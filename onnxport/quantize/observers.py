@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
 import torch
 from torchao.quantization.pt2e.fake_quantize import FusedMovingAvgObsFakeQuantize
 from torchao.quantization.pt2e.observer import (
@@ -15,6 +19,78 @@ from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
 OBSERVERS = ("histogram", "minmax", "percentile")
 _EPS = 2**-12  # the smallest scale: keeps an all-zero tensor from a zero scale
+_CANDIDATES_PER_BATCH = 256  # rows of (candidate, bin) errors computed at once: 2 MB at 2048 bins
+
+
+class SearchHistogramObserver(HistogramObserver):
+    """torchao's ``HistogramObserver`` with its range search made fast; the same range results.
+
+    torchao walks the quantile bounds in 100,000 steps of Python-indexed tensor reads and
+    computes each candidate range's L2 error one tensor call at a time: about 0.6 s per observer,
+    74 s of a MobileNetV2's calibration. The walk depends only on the cumulative histogram, not on
+    the errors, so here it runs on Python floats first; the errors of its candidates are then
+    computed with the same float32 arithmetic, a batch of candidates per tensor call, up to the
+    first candidate whose error grows (where torchao stops).
+    """
+
+    def _non_linear_param_search(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.histogram.size()[0] == self.bins, "bins mismatch"
+        bin_width = (self.max_val - self.min_val) / self.bins
+        walk = self._candidate_walk()
+        start_bin, end_bin = 0, self.bins - 1
+        norm_min = float("inf")
+        batch = 8  # the search usually stops within a few candidates: start small, then grow
+        while chunk := list(itertools.islice(walk, batch)):
+            for (next_start, next_end), norm in zip(chunk, self._quantization_errors(chunk)):
+                if norm > norm_min:
+                    return self.min_val + bin_width * start_bin, self.min_val + bin_width * (end_bin + 1)
+                norm_min, start_bin, end_bin = norm, next_start, next_end
+            batch = min(2 * batch, _CANDIDATES_PER_BATCH)
+        return self.min_val + bin_width * start_bin, self.min_val + bin_width * (end_bin + 1)
+
+    def _candidate_walk(self) -> Iterator[tuple[int, int]]:
+        """The (start bin, end bin) ranges torchao's search visits, in its order."""
+        total = torch.sum(self.histogram).item()
+        c_sum = torch.cumsum(self.histogram, dim=0).tolist()
+        # torch compares the float32 cumulative sum with a Python scalar in float32
+        as_stored = np.float32 if self.histogram.dtype == torch.float32 else float
+        stepsize, alpha, beta = 1e-5, 0.0, 1.0
+        start_bin, end_bin = 0, self.bins - 1
+        while alpha < beta:
+            next_alpha, next_beta = alpha + stepsize, beta - stepsize
+            low, high = as_stored(next_alpha * total), as_stored(next_beta * total)
+            left, right = start_bin, end_bin
+            while left < end_bin and c_sum[left] < low:
+                left += 1
+            while right > start_bin and c_sum[right] > high:
+                right -= 1
+            next_start, next_end = start_bin, end_bin
+            if (left - start_bin) > (end_bin - right):
+                next_start, alpha = left, next_alpha
+            else:
+                next_end, beta = right, next_beta
+            if (next_start, next_end) != (start_bin, end_bin):
+                start_bin, end_bin = next_start, next_end
+                yield start_bin, end_bin
+
+    def _quantization_errors(self, ranges: list[tuple[int, int]]) -> list[float]:
+        """torchao's ``_compute_quantization_error`` for each range, one row per range."""
+        bin_width = (self.max_val.item() - self.min_val.item()) / self.bins
+        widths = [bin_width * (end - start + 1) / self.dst_nbins for start, end in ranges]
+        device, dtype = self.histogram.device, self.histogram.dtype
+        dst_width = torch.tensor(widths, dtype=dtype, device=device)[:, None]
+        starts = torch.tensor([start for start, _ in ranges], device=device)[:, None]
+        src_begin = (torch.arange(self.bins, device=device)[None, :] - starts) * bin_width
+        src_end = src_begin + bin_width
+        begin_bin = torch.clamp(torch.div(src_begin, dst_width, rounding_mode="floor"), 0, self.dst_nbins - 1)
+        end_bin = torch.clamp(torch.div(src_end, dst_width, rounding_mode="floor"), 0, self.dst_nbins - 1)
+        density = self.histogram / bin_width
+        half = dst_width / 2
+        norm = self._get_norm(src_begin - (begin_bin + 0.5) * dst_width, half.expand_as(src_begin), density)
+        norm = norm + (end_bin - begin_bin - 1) * self._get_norm(-half, half, density)
+        norm = norm + self._get_norm(-half, src_end - (end_bin * dst_width + half), density)
+        sums = norm.sum(dim=1).tolist()
+        return [0.0 if width == 0.0 else total for width, total in zip(widths, sums)]
 
 
 class PercentileObserver(MinMaxObserver):
@@ -68,7 +144,7 @@ def activation_qspec(
         ctr = FusedMovingAvgObsFakeQuantize.with_args(observer=MovingAverageMinMaxObserver, eps=_EPS)
     else:
         ctr = {
-            "histogram": HistogramObserver.with_args(eps=_EPS),
+            "histogram": SearchHistogramObserver.with_args(eps=_EPS),
             "minmax": MinMaxObserver.with_args(eps=_EPS),
             "percentile": PercentileObserver.with_args(eps=_EPS),
         }[observer]
