@@ -149,6 +149,28 @@ def test_conv_transpose_axis_1_conv1d_conv3d_and_per_tensor():
     assert quant_spec(per_tensor).qscheme == "per_tensor"
 
 
+class _StringPadding(nn.Module):
+    """Convs with string padding, as EfficientNet writes them: captured as ``conv*d.padding``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = nn.Conv2d(3, 8, 3, padding="same")
+        self.bn = nn.BatchNorm2d(8)
+        self.valid = nn.Conv1d(8, 4, 3, padding="valid")
+
+    def forward(self, x):
+        y = F.silu(self.bn(self.same(x)))
+        return self.valid(y.mean(dim=2))
+
+
+def test_string_padding_convs_are_quantized_and_their_batch_norm_folded():
+    q = Quantizer().quantize(_StringPadding().eval(), [torch.randn(2, 3, 8, 8)])
+    for conv in (torch.ops.aten.conv2d.padding, torch.ops.aten.conv1d.padding):
+        (node,) = _ops(q, conv)
+        assert _is_dq(node.args[0]) and node.args[1].target == qd.dequantize_per_channel.default
+    assert not _ops(q, torch.ops.aten.batch_norm.default)
+
+
 def test_affine_activations_warn_and_carry_nonzero_zero_points(resnet, resnet_calibration):
     with pytest.warns(UserWarning, match="TensorRT"):
         quantizer = Quantizer(symmetric=False)

@@ -46,7 +46,11 @@ class AnnotationContext:
     post_relu: QuantizationSpec | None = None
 
 
-CONV_OPS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
+#: ``.padding`` is the overload a string padding (``'same'``, ``'valid'``) captures as.
+CONV_OPS = (
+    aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default,
+    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
+)
 CONV_TRANSPOSE_OPS = (
     aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
 )
