@@ -8,9 +8,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxport import Quantizer, check_target, export_qdq, qdq_report, quant_spec, verify_qdq
+from onnxport import Quantizer, check_target, compare_qdq, export_qdq, qdq_report, quant_spec, verify_qdq
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
-from onnxport.qdq.stats import ort_int8_counts
+from onnxport.qdq.stats import ort_int8_counts, ort_optimised_ops
 from tests.conftest import listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer
 
@@ -53,6 +53,62 @@ def test_onnxruntime_preset_runs_every_conv_and_add_in_int8(preset_files, name, 
     assert f"Conv {convs}/{convs}" in str(report)
     # the TensorRT file, read by ORT, keeps most convs in float: the reason presets exist
     assert ort_int8_counts(preset_files[name, "tensorrt"])["Conv"]["float"] > 0
+
+
+class _SiluBlock(torch.nn.Module):
+    """EfficientNet's pattern: conv → SiLU, and a squeeze-excite gate (sigmoid, product)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gate = torch.nn.Conv2d(8, 8, 1)
+        self.head = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.conv(x))
+        y = y * torch.sigmoid(self.gate(y.mean((2, 3), keepdim=True)))
+        return self.head(y)
+
+
+def test_onnxruntime_preset_runs_silu_and_sigmoid_gates_in_int8(tmp_path):
+    model = _SiluBlock().eval()
+    calibration = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+    ours = Quantizer(target="onnxruntime").quantize(model, calibration)
+    targets = [str(n.target) for n in ours.graph.nodes if n.op == "call_function"]
+    assert "aten.silu.default" not in targets and targets.count("aten.sigmoid.default") == 2
+    path = export_qdq(ours, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    ops = ort_optimised_ops(path)
+    assert ops["QLinearSigmoid"] == 2 and ops["QLinearMul"] == 2 and ops["QLinearConv"] == 3
+    assert not ops["Sigmoid"] and not ops["Mul"]
+    assert compare_qdq(ours, path, torch.randn(8, 3, 8, 8)).outputs[0].cosine_similarity >= 0.999
+    # the other presets keep the silu one op, unquantized: no pairs their consumers did not ask for
+    trt = Quantizer(target="tensorrt").quantize(model, calibration)
+    assert "aten.silu.default" in [str(n.target) for n in trt.graph.nodes if n.op == "call_function"]
+
+
+class _Conv1D(torch.nn.Module):
+    """transformers' GPT-2 projection: ``addmm(bias, x, w)`` with ``w`` stored (in, out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 24) * 0.1)
+        self.bias = torch.nn.Parameter(torch.randn(24) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, 16), self.weight).reshape(*x.shape[:-1], 24)
+
+
+def test_addmm_weights_are_quantized_per_output_channel_and_run_as_qgemm(tmp_path):
+    model = _Conv1D().eval()
+    calibration = [torch.randn(2, 5, 16) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    (addmm,) = [n for n in quantized.graph.nodes if n.target == torch.ops.aten.addmm.default]
+    weight = addmm.args[2]
+    assert weight.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
+    assert weight.args[3] == 1  # the (in, out) layout's output channels
+    path = export_qdq(quantized, calibration[0], tmp_path / "m.onnx", dynamic_batch=True)
+    assert ort_optimised_ops(path)["QGemm"] == 1
+    assert compare_qdq(quantized, path, torch.randn(4, 5, 16)).outputs[0].cosine_similarity >= 0.999
 
 
 def test_presets_disagree_where_they_must(preset_files):

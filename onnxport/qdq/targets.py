@@ -41,6 +41,8 @@ class Target:
         int32_bias_allowed: whether a DequantizeLinear of an int32 bias may appear.
         needs_kernel_shape: every Conv must say its ``kernel_shape``.
         relu_range_from_zero: a ReLU/Clip feeding a Q must meet a range that starts at 0.
+        int8_sigmoid: the consumer runs Sigmoid between Q/DQ pairs, so ``Quantizer`` quantizes
+            Sigmoid and SiLU (split into x·sigmoid(x)) for it.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Target:
     int32_bias_allowed: bool = True
     needs_kernel_shape: bool = False
     relu_range_from_zero: bool = False
+    int8_sigmoid: bool = False
     #: the hint a rule broken on activation types gives.
     activation_hint: str = ""
 
@@ -81,7 +84,7 @@ REGISTRY: dict[str, Target] = {
     ),
     "onnxruntime": Target(
         "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
-        activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True,
+        activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True, int8_sigmoid=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
     "qnn": Target(

@@ -44,6 +44,9 @@ class AnnotationContext:
     is_qat: bool
     #: Activations produced by a ReLU-like epilogue use this spec (the unsigned range for ORT).
     post_relu: QuantizationSpec | None = None
+    #: The consumer runs Sigmoid between Q/DQ pairs (ORT's QLinearSigmoid): quantize its input
+    #: and output, and split SiLU into x·sigmoid(x) so that both halves run in INT8.
+    int8_sigmoid: bool = False
 
 
 #: ``.padding`` is the overload a string padding (``'same'``, ``'valid'``) captures as.
@@ -161,6 +164,17 @@ def _conv_or_linear(node: Node, ctx: AnnotationContext) -> None:
     _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight}, ctx)
 
 
+@annotates(aten.addmm.default)
+def _addmm(node: Node, ctx: AnnotationContext) -> None:
+    """``bias + x @ w``: transformers' GPT-2 ``Conv1D`` stores ``w`` as (in, out), so its output
+    channels run along axis 1, as a transposed conv's do."""
+    _bias, x, weight = node.args[:3]
+    if not (is_float_tensor(x) and isinstance(weight, Node)):
+        return
+    weight_spec = ctx.weight_transposed if weight.op == "get_attr" else input_spec(weight, ctx)
+    _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: weight_spec}, ctx)
+
+
 @annotates(*CONV_TRANSPOSE_OPS)
 def _conv_transpose(node: Node, ctx: AnnotationContext) -> None:
     x, weight = node.args[0], node.args[1]
@@ -182,6 +196,42 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
         _annotate_with_epilogue(node, inputs, ctx)
     else:
         _annotate(node, inputs, ctx.activation)
+
+
+@annotates(aten.sigmoid.default)
+def _sigmoid(node: Node, ctx: AnnotationContext) -> None:
+    x = node.args[0]
+    if not (ctx.int8_sigmoid and is_float_tensor(x)):
+        return
+    # (0, 1): an unsigned range starting at 0 spends no code on negatives, where the consumer has one
+    _annotate(node, {x: input_spec(x, ctx)}, ctx.post_relu or ctx.activation)
+
+
+def split_silu(model: GraphModule) -> GraphModule:
+    """Rewrite every ``silu(x)`` as ``x * sigmoid(x)``, the form the ONNX file holds anyway.
+
+    ``aten.silu`` is one node, so no pair can sit between its sigmoid and its product; split, the
+    sigmoid and the product are each annotated like any other op. The new nodes keep the silu's
+    metadata (its module path, which ``skip_activations`` matches names against).
+    """
+    graph = model.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.silu.default, aten.silu_.default):
+            continue
+        x = node.args[0]
+        with graph.inserting_before(node):
+            sigmoid = graph.call_function(aten.sigmoid.default, (x,))
+            product = graph.call_function(aten.mul.Tensor, (x, sigmoid))
+        for new in (sigmoid, product):
+            new.meta.update(node.meta)
+        node.replace_all_uses_with(product)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        model.recompile()
+    return model
 
 
 @annotates(aten.cat.default, aten.concat.default)

@@ -15,7 +15,7 @@ from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 from .._torch import require_module
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
 from ..qdq.targets import TARGETS, target_record
-from .annotate import AnnotationContext, annotate_graph
+from .annotate import AnnotationContext, annotate_graph, split_silu
 from .calibration import read_calibration
 from .observers import OBSERVERS, activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
@@ -60,6 +60,9 @@ class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
         self.skip = skip
         self.float_layers = float_layers
         self.conv_add_edges: tuple[int, int] | None = None
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        return split_silu(model) if self.ctx.int8_sigmoid else model
 
     def annotate(self, model: GraphModule) -> GraphModule:
         annotate_graph(model, self.ctx)
@@ -291,7 +294,8 @@ class Quantizer:
         per_channel = self.qscheme == "per_channel"
         activation = activation_qspec(self.observer, self.symmetric, is_qat)
         post_relu = None
-        scheme = target_record(self.target).activations
+        target = target_record(self.target)
+        scheme = target.activations
         if scheme == "affine_unsigned":
             activation = activation_qspec(self.observer, False, is_qat, unsigned=True, bits=self.activation_bits)
         elif scheme == "symmetric_unsigned_after_relu":
@@ -302,6 +306,7 @@ class Quantizer:
             weight_transposed=weight_qspec(per_channel, is_qat, axis=1),
             is_qat=is_qat,
             post_relu=post_relu,
+            int8_sigmoid=target.int8_sigmoid,
         )
         return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 
