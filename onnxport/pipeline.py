@@ -4,7 +4,8 @@ file's proofs, with the file written once.
 A step is an ``onnx_ir`` pass and the proof that its result still computes what the exporter
 produced: ``'identical outputs'`` (ONNX Runtime, unoptimised, byte for byte against the
 reference outputs, which are computed once, when first needed) or ``'checker'`` (for rewrites
-that change no value). A step that changes nothing is not proven again, and a refusal names its
+that change no value, or may move a last bit: those come after every identical-outputs step,
+whose reference is the graph as produced). A step that changes nothing is not proven again, and a refusal names its
 step. Every step that changed the graph is also held to ``onnx.checker`` with full shape
 inference, run once on the written file: :meth:`Pipeline.prove_file` checks the file as the user
 will read it — that checker, the declared opset, the record's rules, and runs at ONNX Runtime's

@@ -257,22 +257,26 @@ def test_onnxslim_pass_is_honest_about_modified():
     np.testing.assert_array_equal(run(ir.to_proto(first.model), {"x": x}, optimized=False)[0], x * 4)
 
 
-def test_a_pool_whose_window_covers_its_input_becomes_global_in_bodies_too():
-    from onnxport.passes.global_pool import GlobalPoolPass
+def test_a_pool_window_larger_than_its_input_is_clipped_in_bodies_too():
+    from onnxport.passes.pool_window import PoolWindowPass
 
     def body(p):  # what torch writes for nn.AvgPool2d(320, ceil_mode=True) on a 2x2 map
         return [helper.make_node("AveragePool", ["x"], [f"{p}_avg"], kernel_shape=[320, 320], strides=[320, 320],
                                  ceil_mode=1, count_include_pad=1, pads=[0, 0, 0, 0]),
-                helper.make_node("MaxPool", ["x"], [f"{p}_max"], kernel_shape=[2, 2]),  # exactly the map: global
+                helper.make_node("MaxPool", ["x"], [f"{p}_max"], kernel_shape=[4, 3], strides=[4, 3],
+                                 ceil_mode=1),  # exceeds it too
                 helper.make_node("MaxPool", ["x"], [f"{p}_local"], kernel_shape=[1, 1]),  # a real window: kept
                 helper.make_node("ReduceSum", [f"{p}_local"], [f"{p}_sum"], keepdims=1),
                 helper.make_node("Sum", [f"{p}_avg", f"{p}_max", f"{p}_sum"], ["same"])]
 
     model = _if_model(body, [], [1, 3, 2, 2], [1, 3, 1, 1], opset=17)
     model = onnx.shape_inference.infer_shapes(model)
-    pooled, first, second = _apply(GlobalPoolPass(), model)
+    pooled, first, second = _apply(PoolWindowPass(), model)
     assert (first, second) == (True, False)
-    ops = sorted(n.op_type for n in _body_nodes(pooled))
-    assert ops.count("GlobalAveragePool") == 2 and ops.count("GlobalMaxPool") == 2 and ops.count("MaxPool") == 2
+    windows = sorted((n.op_type, [tuple(helper.get_attribute_value(a)) for a in n.attribute if a.name == "kernel_shape"])
+                     for n in _body_nodes(pooled) if n.op_type.endswith("Pool"))
+    assert windows == sorted([("AveragePool", [(2, 2)]), ("MaxPool", [(2, 2)]), ("MaxPool", [(1, 1)])] * 2)
+    assert all(helper.get_attribute_value(a) == 0 for n in _body_nodes(pooled) for a in n.attribute
+               if a.name == "ceil_mode")
     onnx.checker.check_model(pooled, full_check=True)
     _same_bytes(pooled, model, (1, 3, 2, 2))

@@ -3,17 +3,17 @@ subgraphs; the function forms exported here take and return an ``onnx.ModelProto
 
 from .conv_kernel_shape import add_conv_kernel_shape, convs_missing_kernel_shape
 from .fold_weight_transpose import fold_weight_transpose
-from .global_pool import global_pools
 from .lower_opset import lower_opset
+from .pool_window import clip_pool_windows
 from .strip_unused_opsets import strip_unused_opsets
 from .uint8_activations import activations_to_uint8
 
 __all__ = [
     "activations_to_uint8",
     "add_conv_kernel_shape",
+    "clip_pool_windows",
     "convs_missing_kernel_shape",
     "fold_weight_transpose",
-    "global_pools",
     "lower_opset",
     "strip_unused_opsets",
 ]
