@@ -43,6 +43,8 @@ class Target:
         relu_range_from_zero: a ReLU/Clip feeding a Q must meet a range that starts at 0.
         int8_sigmoid: the consumer runs Sigmoid between Q/DQ pairs, so ``Quantizer`` quantizes
             Sigmoid and SiLU (split into x·sigmoid(x)) for it.
+        int8_attention: the consumer runs a MatMul of two activations in INT8, so ``Quantizer``
+            splits attention into its products and softmax and quantizes them.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Target:
     needs_kernel_shape: bool = False
     relu_range_from_zero: bool = False
     int8_sigmoid: bool = False
+    int8_attention: bool = False
     #: the hint a rule broken on activation types gives.
     activation_hint: str = ""
 
@@ -85,6 +88,7 @@ REGISTRY: dict[str, Target] = {
     "onnxruntime": Target(
         "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
         activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True, int8_sigmoid=True,
+        int8_attention=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
     "qnn": Target(

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import (
+    DerivedQuantizationSpec,
     QuantizationAnnotation,
     QuantizationSpec,
     SharedQuantizationSpec,
 )
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
+
+from .decompose import ATTENTION_ROLE
 
 aten = torch.ops.aten
 
@@ -47,6 +50,13 @@ class AnnotationContext:
     #: The consumer runs Sigmoid between Q/DQ pairs (ORT's QLinearSigmoid): quantize its input
     #: and output, and split SiLU into x·sigmoid(x) so that both halves run in INT8.
     int8_sigmoid: bool = False
+    #: The consumer runs MatMuls of two activations in INT8: attention is split into its two
+    #: products and softmax (``decompose.split_attention``) and those are quantized.
+    int8_attention: bool = False
+    #: Quantize the bias of every Conv and Gemm to int32 at (input scale × weight scale). ONNX
+    #: Runtime rounds a float bias beside dequantized inputs that way itself (its
+    #: BiasQuantization step); a model that rounds it first computes what ORT computes.
+    int32_bias: bool = False
 
 
 #: ``.padding`` is the overload a string padding (``'same'``, ``'valid'``) captures as.
@@ -69,8 +79,16 @@ SHARING_OPS = (
     aten.avg_pool1d.default, aten.avg_pool2d.default, aten.avg_pool3d.default,
     aten.adaptive_avg_pool1d.default, aten.adaptive_avg_pool2d.default,
     aten.adaptive_avg_pool3d.default, aten.mean.dim, aten.mean.default,
+    # identities at inference: with an observer of their own, the exported file would hold two
+    # pairs back to back (Q·DQ·Q·DQ), which ONNX Runtime merges into one, computing something else
+    aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
+    aten.alpha_dropout.default, aten.alpha_dropout_.default, aten.clone.default, aten.contiguous.default,
+    aten.alias.default,
     *RELU_OPS,
 )
+#: Zero padding: 0 is exactly representable in every pt2e range (its zero-point), so the padded
+#: tensor keeps its input's parameters; another fill value would need its own.
+PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
 
 
 def is_annotated(node: Node) -> bool:
@@ -97,6 +115,25 @@ def is_float_tensor(arg: object) -> bool:
         return False
     value = arg.meta.get("val")
     return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+_CONSTANT = "onnxport_constant"
+
+
+def mark_constants(model: GraphModule) -> None:
+    """Record on every node whether it depends on no model input (parameters and literals only)."""
+    for node in model.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[_CONSTANT] = False
+        elif node.op == "get_attr":
+            node.meta[_CONSTANT] = True
+        else:
+            node.meta[_CONSTANT] = all(arg.meta.get(_CONSTANT, False) for arg in node.all_input_nodes)
+
+
+def is_constant(node: Node) -> bool:
+    """Whether ``node`` is computed from parameters and literals alone (see :func:`mark_constants`)."""
+    return node.op == "get_attr" or node.meta.get(_CONSTANT, False)
 
 
 def _single_user(node: Node) -> Node | None:
@@ -156,12 +193,42 @@ def _annotate_with_epilogue(node: Node, inputs: dict[Node, object], ctx: Annotat
     _annotate(chain[-1], output=_output_spec(ctx, chain[-1]))
 
 
+def _bias_qparams(observers: list) -> tuple[torch.Tensor, torch.Tensor]:
+    (activation_scale, _), (weight_scale, _) = (o.calculate_qparams() for o in observers)
+    scale = (activation_scale.to(torch.float32) * weight_scale.to(torch.float32)).reshape(-1)
+    return scale, torch.zeros(scale.shape, dtype=torch.int32)
+
+
+def _bias_spec(x: Node, weight: Node, node: Node, ctx: AnnotationContext) -> DerivedQuantizationSpec:
+    per_channel = ctx.weight.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
+    return DerivedQuantizationSpec(
+        derived_from=[(x, node), (weight, node)], derive_qparams_fn=_bias_qparams, dtype=torch.int32,
+        quant_min=-(2**31), quant_max=2**31 - 1,
+        qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
+        ch_axis=0 if per_channel else None,
+    )
+
+
+def _with_bias(inputs: dict[Node, object], bias: object, x: Node, weight: Node, node: Node,
+               ctx: AnnotationContext) -> dict[Node, object]:
+    """Add the bias's int32 spec where the file will hold a Conv or Gemm (ORT rounds only those)."""
+    if ctx.int32_bias and not ctx.is_qat and isinstance(bias, Node) and bias.op == "get_attr" \
+            and weight.op == "get_attr":
+        inputs[bias] = _bias_spec(x, weight, node, ctx)
+    return inputs
+
+
 @annotates(*CONV_OPS, aten.linear.default)
 def _conv_or_linear(node: Node, ctx: AnnotationContext) -> None:
     x, weight = node.args[0], node.args[1]
     if not (is_float_tensor(x) and isinstance(weight, Node)):
         return
-    _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight}, ctx)
+    inputs = {x: input_spec(x, ctx), weight: ctx.weight}
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    # a linear of a matrix is written as Gemm (bias included); of a batch, as MatMul then Add
+    if node.target != aten.linear.default or x.meta["val"].dim() == 2:
+        inputs = _with_bias(inputs, bias, x, weight, node, ctx)
+    _annotate_with_epilogue(node, inputs, ctx)
 
 
 @annotates(aten.addmm.default)
@@ -172,7 +239,10 @@ def _addmm(node: Node, ctx: AnnotationContext) -> None:
     if not (is_float_tensor(x) and isinstance(weight, Node)):
         return
     weight_spec = ctx.weight_transposed if weight.op == "get_attr" else input_spec(weight, ctx)
-    _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: weight_spec}, ctx)
+    inputs = {x: input_spec(x, ctx), weight: weight_spec}
+    if weight.op == "get_attr":
+        inputs = _with_bias(inputs, _bias, x, weight, node, ctx)
+    _annotate_with_epilogue(node, inputs, ctx)
 
 
 @annotates(*CONV_TRANSPOSE_OPS)
@@ -187,9 +257,11 @@ def _conv_transpose(node: Node, ctx: AnnotationContext) -> None:
 def _binary(node: Node, ctx: AnnotationContext) -> None:
     if not is_float_tensor(node):
         return
-    # A parameter added or multiplied in (a position embedding, a scale) stays float: it is no
-    # activation, and quantizing it as one would store a weight with activation parameters.
-    inputs = {a: input_spec(a, ctx) for a in node.args[:2] if is_float_tensor(a) and a.op != "get_attr"}
+    # A parameter, or a tensor computed from parameters alone (a position embedding looked up by
+    # an arange, a causal mask), stays float: it is no activation. Quantized as one, the exporter
+    # folds it into a stored table with activation parameters, which OpenVINO cannot even load
+    # beside an activation (transformers' GPT-2 and Whisper encoder).
+    inputs = {a: input_spec(a, ctx) for a in node.args[:2] if is_float_tensor(a) and not is_constant(a)}
     if not inputs:
         return
     if node.target in ADD_OPS:
@@ -207,33 +279,6 @@ def _sigmoid(node: Node, ctx: AnnotationContext) -> None:
     _annotate(node, {x: input_spec(x, ctx)}, ctx.post_relu or ctx.activation)
 
 
-def split_silu(model: GraphModule) -> GraphModule:
-    """Rewrite every ``silu(x)`` as ``x * sigmoid(x)``, the form the ONNX file holds anyway.
-
-    ``aten.silu`` is one node, so no pair can sit between its sigmoid and its product; split, the
-    sigmoid and the product are each annotated like any other op. The new nodes keep the silu's
-    metadata (its module path, which ``skip_activations`` matches names against).
-    """
-    graph = model.graph
-    changed = False
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.silu.default, aten.silu_.default):
-            continue
-        x = node.args[0]
-        with graph.inserting_before(node):
-            sigmoid = graph.call_function(aten.sigmoid.default, (x,))
-            product = graph.call_function(aten.mul.Tensor, (x, sigmoid))
-        for new in (sigmoid, product):
-            new.meta.update(node.meta)
-        node.replace_all_uses_with(product)
-        graph.erase_node(node)
-        changed = True
-    if changed:
-        graph.lint()
-        model.recompile()
-    return model
-
-
 @annotates(aten.cat.default, aten.concat.default)
 def _cat(node: Node, ctx: AnnotationContext) -> None:
     tensors = [t for t in node.args[0] if is_float_tensor(t)]
@@ -246,10 +291,19 @@ def _cat(node: Node, ctx: AnnotationContext) -> None:
     _annotate(node, inputs, shared)
 
 
-@annotates(*SHARING_OPS)
+def _zero_padding(node: Node) -> bool:
+    if node.target == aten.constant_pad_nd.default:
+        value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+        return not value
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value")
+    return mode == "constant" and not value
+
+
+@annotates(*SHARING_OPS, *PAD_OPS)
 def _sharing(node: Node, ctx: AnnotationContext) -> None:
     x = node.args[0]
-    if not is_float_tensor(x):
+    if not is_float_tensor(x) or (node.target in PAD_OPS and not _zero_padding(node)):
         return
     producer = annotation_of(x)
     # Only continue a quantized tensor: a reshape of a float tensor needs no pair of its own.
@@ -258,10 +312,34 @@ def _sharing(node: Node, ctx: AnnotationContext) -> None:
     _annotate(node, {x: SharedQuantizationSpec(x)}, SharedQuantizationSpec(x))
 
 
+def _attention_part(node: Node, ctx: AnnotationContext) -> bool:
+    """Annotate a node of a split attention; ``False`` for a node the generic table handles.
+
+    Both products read quantized inputs; the scores stay float (ORT runs that product as
+    MatMulIntegerToFloat, and no pair then has to hold the mask's -inf), the probabilities are
+    quantized on their (0, 1) range, and the context is quantized like any product.
+    """
+    role = node.meta.get(ATTENTION_ROLE)
+    if role is None or (role == "glue" and node.target in SHARING_OPS):
+        return False
+    if role == "scores":
+        _annotate(node, {a: input_spec(a, ctx) for a in node.args[:2]})
+    elif role == "softmax":
+        _annotate(node, output=ctx.post_relu or ctx.activation)
+    elif role == "context":
+        _annotate(node, {a: input_spec(a, ctx) for a in node.args[:2]}, ctx.activation)
+    else:  # the scale, the mask and the head repeat stay float
+        _annotate(node)
+    return True
+
+
 def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
     """Annotate every supported operator of ``model`` in graph order (producers first)."""
+    mark_constants(model)
     for node in model.graph.nodes:
         if node.op != "call_function" or is_annotated(node):
+            continue
+        if _attention_part(node, ctx):
             continue
         annotator = _ANNOTATORS.get(node.target)
         if annotator is not None:

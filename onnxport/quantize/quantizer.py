@@ -15,8 +15,9 @@ from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 from .._torch import require_module
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
 from ..qdq.targets import TARGETS, target_record
-from .annotate import AnnotationContext, annotate_graph, split_silu
+from .annotate import AnnotationContext, annotate_graph
 from .calibration import read_calibration
+from .decompose import split_attention, split_silu
 from .observers import OBSERVERS, activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
@@ -62,7 +63,11 @@ class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
         self.conv_add_edges: tuple[int, int] | None = None
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
-        return split_silu(model) if self.ctx.int8_sigmoid else model
+        if self.ctx.int8_sigmoid:
+            model = split_silu(model)
+        if self.ctx.int8_attention:
+            model = split_attention(model)
+        return model
 
     def annotate(self, model: GraphModule) -> GraphModule:
         annotate_graph(model, self.ctx)
@@ -307,6 +312,8 @@ class Quantizer:
             is_qat=is_qat,
             post_relu=post_relu,
             int8_sigmoid=target.int8_sigmoid,
+            int8_attention=target.int8_attention,
+            int32_bias=target.int32_bias_allowed,
         )
         return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 
@@ -393,8 +400,9 @@ class Quantizer:
         """
         if self.backend != "pt2e" or self.method != "qat":
             raise InvalidArgumentError("prepare() is for Quantizer(backend='pt2e', method='qat'); use quantize().")
-        from .._inputs import as_input_tuple
         from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+
+        from .._inputs import as_input_tuple
 
         require_module(model)
         _model_device_check(model)
