@@ -48,7 +48,8 @@ def test_qdq_from_npz_then_stats_json_then_encodings_round_trip(tmp_path):
     assert result.returncode == 0, result.stderr
     result = onnxport("stats", str(out), "--json")
     report = json.loads(result.stdout)
-    assert result.returncode == 0 and report["stats"]["n_per_channel"] == 2 and report["extra"]["ort_int8"]["Conv"]["int8"] == 1
+    # the conv's and the classifier's weights, and their int32 biases
+    assert result.returncode == 0 and report["stats"]["n_per_channel"] == 4 and report["extra"]["ort_int8"]["Conv"]["int8"] == 1
     # encodings: write them from the file, strip it to float, convert back
     from onnxport import onnx_qdq_to_encodings, strip_qdq
 
@@ -59,7 +60,8 @@ def test_qdq_from_npz_then_stats_json_then_encodings_round_trip(tmp_path):
     result = onnxport("encodings", str(tmp_path / "float.onnx"), str(tmp_path / "tiny.encodings"), "-o", str(back),
                       "--force-activation-as", "none", "--prequantize-constants")
     assert result.returncode == 0, result.stderr
-    assert json.loads(onnxport("stats", str(back), "--json", "--no-ort").stdout)["stats"]["n_per_channel"] == 2
+    # the int32 biases travel through the encodings (as 32-bit parameter encodings) and back
+    assert json.loads(onnxport("stats", str(back), "--json", "--no-ort").stdout)["stats"]["n_per_channel"] == 4
 
 
 def test_qdq_weight_only_int4_from_token_ids(tmp_path):

@@ -29,6 +29,11 @@ def _is_dq(arg) -> bool:
     return isinstance(arg, torch.fx.Node) and arg.target in DQ_OPS
 
 
+def _per_channel(model, dtype=torch.int8):
+    """Per-channel DQ nodes of one stored type: int8 weights, or the int32 biases beside them."""
+    return [n for n in _ops(model, qd.dequantize_per_channel.default) if n.args[6] == dtype]
+
+
 def _zero_points(model):
     """Every zero-point a quantize/dequantize node of the converted graph uses."""
     zps = []
@@ -67,11 +72,17 @@ def q_resnet_skip(resnet, resnet_calibration):
 
 
 def test_resnet18_every_conv_add_and_classifier_quantized(q_resnet):
-    per_channel = _ops(q_resnet, qd.dequantize_per_channel.default)
-    assert len(per_channel) == 21  # 20 convs + fc
+    assert len(_per_channel(q_resnet)) == 21  # 20 convs + fc
+    # ONNX Runtime would round these float biases to int32 itself; the model rounds them first
+    assert len(_per_channel(q_resnet, torch.int32)) == 21
     for conv in _ops(q_resnet, torch.ops.aten.conv2d.default) + _ops(q_resnet, torch.ops.aten.linear.default):
         assert _is_dq(conv.args[0]) and conv.args[1].target == qd.dequantize_per_channel.default
         assert conv.args[1].args[3] == 0  # per output channel
+        bias = conv.args[2]
+        assert bias.target == qd.dequantize_per_channel.default and bias.args[6] == torch.int32
+        weight_scales, bias_scales = (getattr(q_resnet, n.args[1].target) for n in (conv.args[1], bias))
+        input_scale = conv.args[0].args[1]
+        torch.testing.assert_close(bias_scales, (weight_scales * input_scale).float(), rtol=1e-6, atol=0)
     adds = _ops(q_resnet, torch.ops.aten.add_.Tensor)
     assert len(adds) == 8 and all(_is_dq(a.args[0]) and _is_dq(a.args[1]) for a in adds)
     assert set(_zero_points(q_resnet)) == {0}
@@ -118,7 +129,7 @@ def test_mobilenet_relu6_epilogue_and_residual_adds():
         assert all(u.target == qd.quantize_per_tensor.default for u in hardtanh.users)
     adds = _ops(q, torch.ops.aten.add.Tensor)
     assert len(adds) == 2 and all(_is_dq(a.args[0]) and _is_dq(a.args[1]) for a in adds)
-    assert len(_ops(q, qd.dequantize_per_channel.default)) == 20
+    assert len(_per_channel(q)) == len(_per_channel(q, torch.int32)) == 20
 
 
 class _Deconv(nn.Module):
@@ -234,7 +245,7 @@ def test_skip_activations_leaves_the_module_output_float(resnet, resnet_calibrat
     assert len(_ops(q, qd.quantize_per_tensor.default)) < len(_ops(q_resnet, qd.quantize_per_tensor.default))
     relus = [n for n in _ops(q, torch.ops.aten.relu_.default) if "layer1.0.relu" in str(n.meta.get("nn_module_stack"))]
     assert relus and all(u.target not in Q_OPS for r in relus for u in r.users)
-    assert len(_ops(q, qd.dequantize_per_channel.default)) == 21  # weights still INT8
+    assert len(_per_channel(q)) == 21  # weights still INT8
     assert quant_spec(q).skipped_modules == ("layer1.0.relu",)
 
 

@@ -134,7 +134,7 @@ def test_qnn_a16w8_at_opset_21(tmp_path):
     assert quant_spec(q).activation_bits == 16
     path = export_qdq(q, sample, tmp_path / "a16.onnx")
     report = qdq_report(path, ort=False)
-    assert report.opset == 21 and report.zero_point_dtypes == {"int8": 21, "uint16": 66}
+    assert report.opset == 21 and report.zero_point_dtypes == {"int8": 21, "int32": 21, "uint16": 66}
     assert check_target(path, "qnn") == []
 
 

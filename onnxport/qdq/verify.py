@@ -86,7 +86,9 @@ def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> 
     return None
 
 
-def compare_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1) -> QDQComparison:
+def compare_qdq(
+    model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *, optimized: bool = True
+) -> QDQComparison:
     """Compare every output of the ONNX file with the PyTorch model on ``sample``.
 
     Args:
@@ -95,6 +97,11 @@ def compare_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches
         sample: a tensor or tuple of tensors, batch first.
         n_batches: split ``sample`` into this many equal batches (a graph exported with a fixed
             batch needs its own batch size).
+        optimized: run the file as ONNX Runtime deploys it (its default graph optimisation:
+            fused INT8 kernels, and a float Conv/Gemm bias beside dequantized inputs rounded to
+            int32). ``False`` runs it with every optimisation off: the file's own ONNX semantics,
+            the measure for a file made for another consumer (a ``'tensorrt'`` file keeps its
+            biases float, which TensorRT reads as they are).
 
     Per output: max absolute error, that error in units of the scale of the last
     DequantizeLinear before the output (how many quantization steps apart), cosine similarity,
@@ -108,7 +115,13 @@ def compare_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches
 
     require_module(model)
     batches = _split(sample, n_batches)
-    runner = ONNXModel(onnx_path)
+    options = None
+    if not optimized:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    runner = ONNXModel(onnx_path, session_options=options)
     refs: list[list[np.ndarray]] = []
     gots: list[list[np.ndarray]] = []
     with eval_mode(model), torch.no_grad():
