@@ -1,6 +1,7 @@
-"""The model zoo (real transformers model code, small configs): the float path on every model —
-export_onnx at its default opset with a dynamic batch, compare_onnx against the PyTorch model,
-and the file loaded and run by both ONNX Runtime and OpenVINO with the same result."""
+"""The model zoo (real transformers model code, small configs), every path on every model: the
+float export at its default opset with a dynamic batch against PyTorch, and each deployment
+preset's Q/DQ file against the pt2e model it came from; every file also runs in OpenVINO, which
+must agree with ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ pytest.importorskip("transformers")
 ZOO = {entry.name: entry for entry in zoo()}
 
 
-@pytest.mark.parametrize("name", list(ZOO))
-def test_float_export_matches_torch_and_runs_the_same_in_openvino(tmp_path, name):
+def _first(outputs) -> np.ndarray:
+    return np.asarray(outputs[0] if isinstance(outputs, (list, tuple)) else outputs)
+
+
+def _openvino(path, x: np.ndarray) -> np.ndarray:
     import openvino as ov
 
+    # f32: OpenVINO's CPU plugin otherwise computes in bf16 where the processor has it
+    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    return np.asarray(compiled([x])[compiled.outputs[0]])
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_float_export_matches_torch_and_runs_the_same_in_openvino(tmp_path, name):
     from onnxport import ONNXModel, compare_onnx, export_onnx
 
     entry = ZOO[name]
@@ -25,30 +36,92 @@ def test_float_export_matches_torch_and_runs_the_same_in_openvino(tmp_path, name
     report = compare_onnx(model, path, entry.sample(batch=3, seed=1), atol=1e-4, rtol=1e-3)
     assert report.passed, str(report)
     other = entry.sample(batch=3, seed=2)
-    ort_outputs = ONNXModel(path)(other)
-    ort_first = np.asarray(ort_outputs[0] if isinstance(ort_outputs, (list, tuple)) else ort_outputs)
-    # f32: OpenVINO's CPU plugin otherwise computes in bf16 where the processor has it
-    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    ov_first = np.asarray(compiled([other.numpy()])[compiled.outputs[0]])
+    ort_first = _first(ONNXModel(path)(other))
+    ov_first = _openvino(path, other.numpy())
     assert ov_first.shape == ort_first.shape
     np.testing.assert_allclose(ov_first, ort_first, atol=1e-3, rtol=1e-3)
+    # the comparisons mean something only if the model's output depends on its input
+    assert np.ptp(ort_first, axis=0).max() > 1e-3 * max(1.0, np.abs(ort_first).max())
     if entry.kind != "audio":  # logits: the same class everywhere
         assert (ov_first.argmax(-1) == ort_first.argmax(-1)).all()
 
 
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["BERT", "GPT-2", "Llama", "Whisper encoder"])
-@pytest.mark.parametrize("target", ["onnxruntime", "qnn"])
-def test_transformers_meet_the_onnxruntime_and_qnn_targets(tmp_path, name, target):
-    """Transformer graphs hold constants pt2e quantizes with the activation spec (position
-    tables, masks): the target's rules must hold on the file and the file must agree with its
-    pt2e model."""
-    from onnxport import Quantizer, compare_qdq, export_qdq
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_target_exports_agrees_with_its_pt2e_model_and_runs_in_openvino(tmp_path, name):
+    """For each preset: Quantizer + export_qdq (its rules checked on the file inside the export);
+    every layer of the file computes what the pt2e model computes from the same inputs; the whole
+    file agrees with the model; OpenVINO loads and runs the file and picks the same classes."""
+    from onnxport import ONNXModel, Quantizer, compare_layers, compare_qdq, export_qdq
 
     entry = ZOO[name]
     model = entry.model()
-    quantized = Quantizer(target=target).quantize(model, [entry.sample(batch=4, seed=s) for s in (10, 11)])
-    path = export_qdq(quantized, entry.sample(), tmp_path / "model.onnx", dynamic_batch=True)  # check_target inside
-    first = compare_qdq(quantized, path, entry.sample(batch=4, seed=3)).outputs[0]
-    assert first.cosine_similarity >= 0.999, first
+    calibration = [entry.sample(batch=4, seed=s) for s in (10, 11)]
+    check = entry.sample(batch=4, seed=3)
+    for target in ("tensorrt", "onnxruntime", "qnn"):
+        quantized = Quantizer(target=target).quantize(model, calibration)
+        path = export_qdq(quantized, entry.sample(), tmp_path / f"{target}.onnx", dynamic_batch=True)
+        layers = compare_layers(quantized, path, check)
+        assert layers.first_divergence is None, (target, str(layers))
+        # ONNX Runtime's optimiser rounds a float bias beside dequantized inputs to int32; only the
+        # 'tensorrt' file keeps its biases float (TensorRT reads them as they are), so it is held
+        # to its ONNX semantics, unoptimised. Random weights make a deep net chaotic: the one-step
+        # rounding differences of ORT's exact integer kernels grow layer by layer (MobileNetV2's
+        # 'qnn' file: 0.994), which is why the per-layer check above carries the proof.
+        first = compare_qdq(quantized, path, check, optimized=target != "tensorrt").outputs[0]
+        assert first.cosine_similarity >= 0.99, (target, first)
+        ort_first = _first(ONNXModel(path)(check))
+        ov_first = _openvino(path, check.numpy())
+        assert ov_first.shape == ort_first.shape
+        # OpenVINO's INT8 kernels round differently (a step apart already at the input's
+        # quantization) and, for the same reason, drift further: 0.91 on MobileNetV2's 'tensorrt' file
+        cosine = float(np.dot(ov_first.ravel(), ort_first.ravel())
+                       / (np.linalg.norm(ov_first) * np.linalg.norm(ort_first)))
+        assert cosine >= 0.9, (target, cosine)
+        if entry.kind != "audio":
+            assert (ov_first.argmax(-1) == ort_first.argmax(-1)).mean() >= 0.75, target
+
+
+def _with_mask(entry, batch: int, seed: int):
+    """``(input_ids, attention_mask)`` with the tail of every other row padded away."""
+    import torch
+
+    ids = entry.sample(batch=batch, seed=seed)
+    mask = torch.ones_like(ids)
+    mask[::2, -5:] = 0
+    return ids, mask
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["BERT", "Llama"])
+def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, name):
+    """As users call them: ``model(input_ids, attention_mask)``, padding included. (GPT-2 takes
+    ``past_key_values`` second, so its mask can only be passed by keyword, which samples cannot
+    say yet.)"""
+    from onnxport import (
+        ONNXModel,
+        Quantizer,
+        compare_layers,
+        compare_onnx,
+        compare_qdq,
+        export_onnx,
+        export_qdq,
+        qdq_report,
+        verify_qdq,
+    )
+
+    entry = ZOO[name]
+    model = entry.model()
+    sample, check = _with_mask(entry, 2, 0), _with_mask(entry, 4, 3)
+    fp32 = export_onnx(model, sample, tmp_path / "fp32.onnx")
+    assert compare_onnx(model, fp32, check, atol=1e-4, rtol=1e-3).passed
+    assert len(ONNXModel(fp32).session.get_inputs()) == 2
+    quantized = Quantizer(target="onnxruntime").quantize(model, [_with_mask(entry, 4, s) for s in (10, 11)])
+    path = export_qdq(quantized, sample, tmp_path / "qdq.onnx", dynamic_batch=True)
+    assert compare_qdq(quantized, path, check).outputs[0].cosine_similarity >= 0.999
+    assert verify_qdq(quantized, path, check) >= 0.75
+    assert compare_layers(quantized, path, check).first_divergence is None
+    assert qdq_report(path).extra["ort_int8"]["MatMul"]["float"] == 0
+    with_padding = _first(ONNXModel(path)(*check))
+    without = _first(ONNXModel(path)(check[0], check[1].clone().fill_(1)))
+    assert not np.allclose(with_padding, without)  # the mask reaches the attention
