@@ -16,7 +16,7 @@ from pathlib import Path
 
 from onnxport._io import write_text_atomic
 
-BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead")
+BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo")
 HERE = Path(__file__).resolve().parent
 
 

@@ -1,0 +1,211 @@
+"""The model zoo at deployment sizes: every path on every model, and the ``'onnxruntime'`` preset's
+speed against ONNX Runtime's own quantizer, measured side by side.
+
+Each model is real ``transformers`` code (the same families as ``tests/zoo.py``, at sizes close to
+the checkpoints people deploy, with seeded random weights). Per model:
+
+* ``export_onnx`` (opset 17, dynamic batch) and ``compare_onnx`` against PyTorch;
+* ``Quantizer(target='onnxruntime')`` + ``export_qdq``, and ``compare_qdq`` of the file against
+  the pt2e model it came from (cosine, error in quantization steps, top-1). The other presets
+  run on every zoo model in the test suite (``tests/test_zoo.py``), at smaller sizes; set
+  ``ONNXPORT_BENCH_ZOO_TARGETS=tensorrt,onnxruntime,qnn`` to measure them here too;
+* ONNX Runtime's ``quantize_static`` (QDQ, per-channel, MinMax, the same calibration batches) and,
+  for text models, ``quantize_dynamic``, both on the FP32 export;
+* latency of the FP32 file, our ``'onnxruntime'`` file and ORT's files, at batch 1 (and 8 for
+  image models): the sessions are built once and run in turns, and the median of each is kept,
+  so every file sees the same machine;
+* what ORT runs in INT8 in our file (its optimised graph) and which compute ops stay float.
+
+    python -m bench zoo
+    ONNXPORT_BENCH_ZOO=EfficientNet,BERT python -m bench zoo   # only these models
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TARGETS = tuple(t.strip() for t in os.environ.get("ONNXPORT_BENCH_ZOO_TARGETS", "onnxruntime").split(",") if t.strip())
+ROUNDS = 20  # turns of the side-by-side latency loop
+CALIBRATION = (2, 4)  # batches, samples per batch: the same data for pt2e and for ORT's quantizer
+
+
+def zoo_models() -> list:
+    """The zoo at deployment sizes (the tests use the same families, smaller)."""
+    import transformers as t
+
+    from tests.zoo import ZooModel
+
+    image, tokens = (3, 224, 224), (128,)
+    text = {"vocab_size": 30522, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "intermediate_size": 1024, "max_position_embeddings": 512}
+    return [
+        ZooModel("ResNet-50", lambda: t.ResNetForImageClassification(t.ResNetConfig()), "image", image),
+        ZooModel("ConvNeXt-atto", lambda: t.ConvNextForImageClassification(t.ConvNextConfig(
+            hidden_sizes=[40, 80, 160, 320], depths=[2, 2, 6, 2])), "image", image),
+        ZooModel("MobileNetV2", lambda: t.MobileNetV2ForImageClassification(t.MobileNetV2Config()), "image", image),
+        ZooModel("EfficientNet-B0", lambda: t.EfficientNetForImageClassification(t.EfficientNetConfig(
+            width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280, dropout_rate=0.2)), "image", image),
+        ZooModel("RegNetY-800MF", lambda: t.RegNetForImageClassification(t.RegNetConfig(
+            layer_type="y", embedding_size=32, hidden_sizes=[64, 128, 320, 768], depths=[1, 3, 8, 2],
+            groups_width=16)), "image", image),
+        ZooModel("ViT-tiny", lambda: t.ViTForImageClassification(t.ViTConfig(
+            hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768)), "image", image),
+        ZooModel("Swin-tiny", lambda: t.SwinForImageClassification(t.SwinConfig()), "image", image),
+        ZooModel("BERT 4x256", lambda: t.BertForSequenceClassification(t.BertConfig(**text)), "tokens", tokens),
+        ZooModel("DistilBERT", lambda: t.DistilBertForSequenceClassification(t.DistilBertConfig()), "tokens", tokens),
+        ZooModel("RoBERTa 4x256", lambda: t.RobertaForSequenceClassification(t.RobertaConfig(
+            **{**text, "max_position_embeddings": 514})), "tokens", tokens),
+        ZooModel("GPT-2", lambda: t.GPT2LMHeadModel(t.GPT2Config(use_cache=False)), "tokens", tokens),
+        ZooModel("Llama 3x512 GQA", lambda: t.LlamaForCausalLM(t.LlamaConfig(
+            vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=3, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=512, use_cache=False)), "tokens", tokens),
+        ZooModel("Whisper-tiny encoder", lambda: t.WhisperModel(t.WhisperConfig(
+            d_model=384, encoder_layers=4, decoder_layers=1, encoder_attention_heads=6, decoder_attention_heads=6,
+            encoder_ffn_dim=1536, decoder_ffn_dim=1536, num_mel_bins=80, max_source_positions=1500,
+            pad_token_id=50257, bos_token_id=50257, eos_token_id=50257, decoder_start_token_id=50258))
+            .get_encoder(), "audio", (80, 3000)),
+    ]
+
+
+def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[str, dict[int, float]]:
+    """Median milliseconds per file and batch, the files run in turns."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    sessions = {name: ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                for name, path in files.items()}
+    table: dict[str, dict[int, float]] = {name: {} for name in files}
+    for batch, data in inputs.items():
+        times: dict[str, list[float]] = {name: [] for name in files}
+        for session in sessions.values():  # warm-up
+            session.run(None, {session.get_inputs()[0].name: data})
+        for _ in range(ROUNDS):
+            for name, session in sessions.items():
+                feed = {session.get_inputs()[0].name: data}
+                start = time.perf_counter()
+                session.run(None, feed)
+                times[name].append((time.perf_counter() - start) * 1000)
+        for name in files:
+            table[name][batch] = statistics.median(times[name])
+    return table
+
+
+def _fused(path: Path) -> dict:
+    from onnxport import qdq_report
+
+    report = qdq_report(path)
+    counts = report.extra["ort_int8"]
+    fused = {op: f"{c['int8']}/{c['int8'] + c['float']}" for op, c in counts.items()}
+    float_ops = sorted({f"{op.op_type}: {op.why_float}" for op in report.compute_ops if not op.quantized})
+    return {"ort_int8": fused, "float_in_file": float_ops[:6]}
+
+
+def _one(entry, out: Path) -> dict:
+    import torch
+
+    from onnxport import Quantizer, compare_onnx, compare_qdq, export_onnx, export_qdq
+    from onnxport.errors import OnnxportError
+
+    model = entry.model()
+    batches, per_batch = CALIBRATION
+    calibration = [entry.sample(batch=per_batch, seed=10 + i) for i in range(batches)]
+    sample, check = entry.sample(batch=1), entry.sample(batch=4, seed=3)
+    result: dict = {"kind": entry.kind}
+    start = time.perf_counter()
+    fp32 = export_onnx(model, sample, out / "fp32.onnx")
+    report = compare_onnx(model, fp32, check, atol=1e-4, rtol=1e-3)
+    result["export_onnx"] = {"passed": report.passed, "max_abs_error": max(o.max_abs_error for o in report.outputs),
+                             "seconds": time.perf_counter() - start}
+    files = {"fp32": fp32}
+    for target in TARGETS:
+        start = time.perf_counter()
+        try:
+            quantized = Quantizer(target=target).quantize(model, calibration)
+            path = export_qdq(quantized, sample, out / f"{target}.onnx", dynamic_batch=True)
+        except OnnxportError as error:  # a refusal is a result of the bench, not its end
+            result[target] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            continue
+        # a 'tensorrt' file keeps float biases, which ORT's optimiser would round: its semantics, unoptimised
+        first = compare_qdq(quantized, path, check, optimized=target != "tensorrt").outputs[0]
+        result[target] = {"cosine": first.cosine_similarity, "steps": first.max_error_in_steps,
+                          "top1": first.top1_agreement, "seconds": time.perf_counter() - start}
+        if target == "onnxruntime":
+            files["onnxruntime"] = path
+            result[target].update(_fused(path))
+    modes = ("static", "dynamic") if entry.kind == "tokens" else ("static",)
+    for mode in modes:
+        try:
+            files[f"ort_{mode}"] = export_onnx(model, sample, out / f"ort_{mode}.onnx", quantize=True,
+                                               quantize_mode=mode, calibration_data=calibration)
+        except Exception as error:  # noqa: BLE001 — ORT's quantizer raises many types; its failure is a result
+            result[f"ort_{mode}"] = {"error": f"{type(error).__name__}: {error}"[:300]}
+    sizes = (1, 8) if entry.kind == "image" else (1,)
+    inputs = {b: entry.sample(batch=b, seed=5).numpy() for b in sizes}
+    with torch.no_grad():
+        latency = _latencies(files, inputs)
+    result["latency_ms"] = {name: {f"batch{b}": ms for b, ms in by_batch.items()} for name, by_batch in latency.items()}
+    return result
+
+
+def run(out_dir: Path | None = None) -> dict:
+    import logging
+
+    chosen = [n.strip() for n in os.environ.get("ONNXPORT_BENCH_ZOO", "").split(",") if n.strip()]
+    models = [m for m in zoo_models() if not chosen or m.name in chosen]
+    out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-zoo-"))
+    results: dict = {}
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    for entry in models:
+        start = time.perf_counter()
+        folder = out / entry.name.replace(" ", "_")
+        folder.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results[entry.name] = _one(entry, folder)
+        results[entry.name]["bench_seconds"] = time.perf_counter() - start
+        print(f"  {entry.name}: {results[entry.name]['bench_seconds']:.0f} s", file=sys.stderr, flush=True)
+    return results
+
+
+def _speed(entry: dict, file: str, batch: str) -> float | None:
+    ms = entry["latency_ms"]
+    return ms["fp32"][batch] / ms[file][batch] if file in ms else None
+
+
+def report(results: dict) -> str:
+    lines = [
+        "The zoo on ONNX Runtime (CPU): every path, fidelity of each target's file to its pt2e model, and the",
+        "'onnxruntime' file's speed (x = FP32 latency / file latency, median of turns) against ORT's quantize_static",
+        "and quantize_dynamic files of the same model.",
+        "",
+        ("| model | export_onnx | " + " | ".join(f"{t} cos / steps" for t in TARGETS) + " "
+         "| ours b1 | ORT static b1 | ORT dynamic b1 | ours / ORT best b1 | ours b8 | ORT static b8 | INT8 in ORT (ours) |"),
+        "|---" * (9 + len(TARGETS)) + "|",
+    ]
+    for name, e in results.items():
+        cells = [name, "ok" if e["export_onnx"]["passed"] else f"max err {e['export_onnx']['max_abs_error']:.2g}"]
+        for target in TARGETS:
+            t = e.get(target, {"error": "not measured"})
+            cells.append(f"refused: {t['error'][:60]}" if "error" in t else f"{t['cosine']:.6f} / {t['steps'] or 0:.1f}")
+        b1 = {f: _speed(e, f, "batch1") for f in ("onnxruntime", "ort_static", "ort_dynamic")}
+        best = max((v for k, v in b1.items() if k != "onnxruntime" and v), default=None)
+        cells += [f"{v:.2f}x" if v else "-" for v in b1.values()]
+        cells.append(f"{b1['onnxruntime'] / best:.2f}" if best and b1["onnxruntime"] else "-")
+        for f in ("onnxruntime", "ort_static"):
+            v = _speed(e, f, "batch8") if "batch8" in e["latency_ms"]["fp32"] else None
+            cells.append(f"{v:.2f}x" if v else "-")
+        fused = e["onnxruntime"].get("ort_int8", {})
+        cells.append(", ".join(f"{op} {c}" for op, c in fused.items()) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
