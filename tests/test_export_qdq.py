@@ -234,3 +234,19 @@ def test_a_pt2e_model_without_a_record_is_exported(resnet_models, tmp_path):
     assert quant_spec(q) is None  # made by "another quantizer"
     path = export_qdq(q, SAMPLE, tmp_path / "untagged.onnx")
     assert qdq_stats(path).n_per_channel == 42
+
+
+def test_a_wide_head_past_the_exporters_folding_limit_is_exported_with_stored_parameters(tmp_path):
+    """A language model's vocabulary-wide head: torch.onnx leaves its 32,000 zero-points as a
+    Cast computed at run time, which the faithfulness check could not read (GPT-2 and Llama at
+    real vocabulary sizes were refused)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32000)).eval()
+    x = torch.randn(2, 4, 32)
+    quantized = Quantizer().quantize(model, [x])
+    path = export_qdq(quantized, x, tmp_path / "head.onnx", dynamic_batch=True)
+    graph = onnx.load(str(path)).graph
+    made_by = {o: n.op_type for n in graph.node for o in n.output}
+    assert all(made_by.get(i) != "Cast" for n in graph.node if n.op_type == "DequantizeLinear" for i in n.input[1:])
+    assert qdq_stats(path).n_per_channel == 2
+    assert compare_qdq(quantized, path, torch.randn(3, 4, 32)).outputs[0].cosine_similarity > 0.9999

@@ -280,3 +280,20 @@ def test_a_pool_window_larger_than_its_input_is_clipped_in_bodies_too():
                if a.name == "ceil_mode")
     onnx.checker.check_model(pooled, full_check=True)
     _same_bytes(pooled, model, (1, 3, 2, 2))
+
+
+def test_cast_qdq_parameters_are_stored_as_constants_in_bodies_too():
+    from onnxport.passes.qdq_parameters import FoldQDQParameterCastsPass
+
+    def body(p):  # what torch.onnx leaves for a zero-point past its folding size limit
+        return [helper.make_node("Cast", ["zp64"], [f"{p}_zp"], to=TensorProto.INT8),
+                helper.make_node("QuantizeLinear", ["x", "scale", f"{p}_zp"], [f"{p}_q"], axis=1),
+                helper.make_node("DequantizeLinear", [f"{p}_q", "scale", f"{p}_zp"], ["same"], axis=1)]
+
+    inits = [_c("zp64", np.zeros(3, np.int64)), _c("scale", np.array([0.1, 0.2, 0.05], np.float32))]
+    model = _if_model(body, inits, [2, 3], [2, 3])
+    stored, first, second = _apply(FoldQDQParameterCastsPass(), model)
+    assert (first, second) == (True, False)
+    assert not [n for n in _body_nodes(stored) if n.op_type == "Cast"]
+    onnx.checker.check_model(stored, full_check=True)
+    _same_bytes(stored, model, (2, 3))

@@ -15,6 +15,7 @@ from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.lower_opset import LowerOpsetPass
 from ..passes.pool_window import PoolWindowPass
+from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
 from ..pipeline import Pipeline, Step
 from .checks import (
@@ -164,6 +165,7 @@ def export_qdq(
 def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
     """The graph steps of :func:`export_qdq`, in order, each with its proof."""
     steps = [
+        Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), "identical outputs"),
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
         Step("fold weight transposes", FoldWeightTransposePass(), "identical outputs"),
         Step("add Conv kernel_shape", AddConvKernelShapePass(), "checker"),

@@ -127,7 +127,21 @@ def qdq_nodes(model: onnx.ModelProto, base: str | Path | None = None) -> list[QD
             else:
                 kind = "constant"
             found.append(QDQNode(
-                node, graph, consts.get(node.input[1]), consts.get(zp_name) if zp_name else None,
+                node, graph, _parameter(node.input[1], consts, made_by, base),
+                _parameter(zp_name, consts, made_by, base) if zp_name else None,
                 source if node.op_type == "DequantizeLinear" else None, kind, base,
             ))
     return found
+
+
+def _parameter(name: str, consts: dict, made_by: dict, base: Path | None) -> onnx.TensorProto | None:
+    """A scale or zero-point constant, also when the exporter left it as a ``Cast`` of a constant
+    (its constant folding stops at a size limit: a 32,000-channel weight's zero-points)."""
+    if name in consts:
+        return consts[name]
+    cast = made_by.get(name)
+    if cast is None or cast.op_type != "Cast" or not is_default_domain(cast) or cast.input[0] not in consts:
+        return None
+    to = next(a.i for a in cast.attribute if a.name == "to")
+    values = tensor_value(consts[cast.input[0]], base)
+    return onnx.numpy_helper.from_array(values.astype(onnx.helper.tensor_dtype_to_np_dtype(to)), name)
