@@ -297,3 +297,30 @@ def test_cast_qdq_parameters_are_stored_as_constants_in_bodies_too():
     assert not [n for n in _body_nodes(stored) if n.op_type == "Cast"]
     onnx.checker.check_model(stored, full_check=True)
     _same_bytes(stored, model, (2, 3))
+
+
+def test_a_zero_pad_between_pairs_is_folded_into_the_conv_in_bodies_too():
+    from onnxport.passes.fold_pad import FoldPadIntoConvPass
+
+    def body(p):  # DQ -> Pad -> Q -> DQ -> Conv, as TensorFlow-style "same" padding exports
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_x"]),
+                helper.make_node("Pad", [f"{p}_x", "pads"], [f"{p}_padded"]),
+                helper.make_node("QuantizeLinear", [f"{p}_padded", "s", "zp"], [f"{p}_pq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_pq", "s", "zp"], [f"{p}_p"]),
+                helper.make_node("DequantizeLinear", ["wq", "ws", "wzp"], [f"{p}_w"], axis=0),
+                helper.make_node("Conv", [f"{p}_p", f"{p}_w"], ["same"], pads=[1, 0, 0, 1], strides=[2, 2]),
+                ]
+
+    inits = [_c("s", np.float32(0.05)), _c("zp", np.int8(0)), _c("pads", np.array([0, 0, 0, 1, 0, 0, 1, 0])),
+             _c("wq", RNG.integers(-127, 127, (4, 3, 3, 3)).astype(np.int8)), _c("ws", np.full(4, 0.01, np.float32)),
+             _c("wzp", np.zeros(4, np.int8))]
+    model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 3, 7, 7], [1, 4, 4, 4]))
+    folded, first, second = _apply(FoldPadIntoConvPass(), model)
+    assert (first, second) == (True, False)
+    ops = [n.op_type for n in _body_nodes(folded)]
+    assert "Pad" not in ops and ops.count("QuantizeLinear") == 2
+    convs = [n for n in _body_nodes(folded) if n.op_type == "Conv"]
+    assert all(helper.get_attribute_value(a) == [1, 1, 1, 1] for n in convs for a in n.attribute if a.name == "pads")
+    onnx.checker.check_model(folded, full_check=True)
+    _same_bytes(folded, model, (1, 3, 7, 7))

@@ -2,9 +2,11 @@
 subgraphs; the function forms exported here take and return an ``onnx.ModelProto`` (a new one)."""
 
 from .conv_kernel_shape import add_conv_kernel_shape, convs_missing_kernel_shape
+from .fold_pad import fold_pads_into_convs
 from .fold_weight_transpose import fold_weight_transpose
 from .lower_opset import lower_opset
 from .pool_window import clip_pool_windows
+from .qdq_parameters import fold_qdq_parameter_casts
 from .strip_unused_opsets import strip_unused_opsets
 from .uint8_activations import activations_to_uint8
 
@@ -13,6 +15,8 @@ __all__ = [
     "add_conv_kernel_shape",
     "clip_pool_windows",
     "convs_missing_kernel_shape",
+    "fold_pads_into_convs",
+    "fold_qdq_parameter_casts",
     "fold_weight_transpose",
     "lower_opset",
     "strip_unused_opsets",

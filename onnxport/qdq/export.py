@@ -12,6 +12,7 @@ from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
+from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.lower_opset import LowerOpsetPass
 from ..passes.pool_window import PoolWindowPass
@@ -168,6 +169,7 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
         Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), "identical outputs"),
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
         Step("fold weight transposes", FoldWeightTransposePass(), "identical outputs"),
+        Step("fold zero pads into convs", FoldPadIntoConvPass(), "identical outputs"),
         Step("add Conv kernel_shape", AddConvKernelShapePass(), "checker"),
         Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"),
     ]
