@@ -235,13 +235,11 @@ def _conv_or_linear(node: Node, ctx: AnnotationContext) -> None:
 def _addmm(node: Node, ctx: AnnotationContext) -> None:
     """``bias + x @ w``: transformers' GPT-2 ``Conv1D`` stores ``w`` as (in, out), so its output
     channels run along axis 1, as a transposed conv's do."""
-    _bias, x, weight = node.args[:3]
+    bias, x, weight = node.args[:3]
     if not (is_float_tensor(x) and isinstance(weight, Node)):
         return
     weight_spec = ctx.weight_transposed if weight.op == "get_attr" else input_spec(weight, ctx)
-    inputs = {x: input_spec(x, ctx), weight: weight_spec}
-    if weight.op == "get_attr":
-        inputs = _with_bias(inputs, _bias, x, weight, node, ctx)
+    inputs = _with_bias({x: input_spec(x, ctx), weight: weight_spec}, bias, x, weight, node, ctx)
     _annotate_with_epilogue(node, inputs, ctx)
 
 
