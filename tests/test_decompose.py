@@ -51,7 +51,8 @@ def test_split_attention_computes_what_sdpa_computed(mask, kv_heads):
     assert SDPA not in targets and targets.count(torch.ops.aten.matmul.default) == 2
     other = torch.randn(5, 6, 32)  # another batch size: the symbolic batch survived the rewrite
     torch.testing.assert_close(split(other), model(other), atol=1e-5, rtol=1e-5)
-    assert split_attention(split) is split and [n.target for n in split.graph.nodes] == targets  # idempotent
+    split_attention(split)  # idempotent: a second run finds no attention left to split
+    assert [n.target for n in split.graph.nodes] == targets
 
 
 def test_split_silu_computes_what_silu_computed():
