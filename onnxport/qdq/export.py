@@ -15,6 +15,7 @@ from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.lower_opset import LowerOpsetPass
+from ..passes.global_mean import SpatialMeanToGlobalPoolPass
 from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
@@ -175,9 +176,10 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
     ]
     if activation_dtype == "uint8":
         steps.append(Step("move activations to uint8", ActivationsToUint8Pass(), "identical outputs"))
-    # Last: ORT's unoptimised run of the clipped window sums in another order (one ulp apart; its
-    # optimised run and torch agree with the original), and identical-outputs proofs compare with
-    # the graph as produced, so no such proof may follow a step that can move a last bit.
+    # Last: ORT's unoptimised run of a global pool or a clipped window sums in another order (one
+    # ulp apart; its optimised run and torch agree with the original), and identical-outputs proofs
+    # compare with the graph as produced, so no such proof may follow a step that can move a last bit.
+    steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), "checker"))
     steps.append(Step("clip pool windows to their input", PoolWindowPass(), "checker"))
     return steps
 
