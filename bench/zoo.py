@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGETS = tuple(t.strip() for t in os.environ.get("ONNXPORT_BENCH_ZOO_TARGETS", "onnxruntime").split(",") if t.strip())
-ROUNDS = 20  # turns of the side-by-side latency loop
+ROUNDS = 40  # turns of the side-by-side latency loop (this machine's noise needs more than 20)
 CALIBRATION = (2, 4)  # batches, samples per batch: the same data for pt2e and for ORT's quantizer
 
 
@@ -93,8 +93,11 @@ def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[st
         times: dict[str, list[float]] = {name: [] for name in files}
         for session in sessions.values():  # warm-up
             session.run(None, {session.get_inputs()[0].name: data})
-        for _ in range(ROUNDS):
-            for name, session in sessions.items():
+        names = list(sessions)
+        for turn in range(ROUNDS):
+            # each file takes each place in the turn equally often: none always runs after the slowest
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                session = sessions[name]
                 feed = {session.get_inputs()[0].name: data}
                 start = time.perf_counter()
                 session.run(None, feed)

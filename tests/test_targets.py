@@ -80,6 +80,8 @@ def test_onnxruntime_preset_runs_silu_and_sigmoid_gates_in_int8(tmp_path):
     ops = ort_optimised_ops(path)
     assert ops["QLinearSigmoid"] == 2 and ops["QLinearMul"] == 2 and ops["QLinearConv"] == 3
     assert not ops["Sigmoid"] and not ops["Mul"]
+    # the squeeze mean is written as the global pool ORT runs on integers, not a float ReduceMean
+    assert ops["QLinearGlobalAveragePool"] == 1 and not ops["ReduceMean"]
     assert compare_qdq(ours, path, torch.randn(8, 3, 8, 8)).outputs[0].cosine_similarity >= 0.999
     # the other presets keep the silu one op, unquantized: no pairs their consumers did not ask for
     trt = Quantizer(target="tensorrt").quantize(model, calibration)
@@ -107,8 +109,15 @@ def test_addmm_weights_are_quantized_per_output_channel_and_run_as_qgemm(tmp_pat
     assert weight.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
     assert weight.args[3] == 1  # the (in, out) layout's output channels
     path = export_qdq(quantized, calibration[0], tmp_path / "m.onnx", dynamic_batch=True)
-    assert ort_optimised_ops(path)["QGemm"] == 1
+    ops = ort_optimised_ops(path)
+    assert ops["QGemm"] == 1 and not ops["DequantizeLinear"]
+    # the model's output is the layer's float result (QGemm writes it): no pair requantizes it
+    assert [n.op_type for n in onnx.load(path).graph.node].count("QuantizeLinear") == 1  # the input's
     assert compare_qdq(quantized, path, torch.randn(4, 5, 16)).outputs[0].cosine_similarity >= 0.999
+    other = export_qdq(Quantizer(target="qnn").quantize(model, calibration), calibration[0], tmp_path / "q.onnx")
+    graph = onnx.load(other).graph
+    gemm_out = next(n.output[0] for n in graph.node if n.op_type == "Gemm")
+    assert any(n.op_type == "QuantizeLinear" and n.input[0] == gemm_out for n in graph.node)  # QNN's: quantized
 
 
 def test_presets_disagree_where_they_must(preset_files):

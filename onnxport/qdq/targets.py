@@ -45,6 +45,11 @@ class Target:
             Sigmoid and SiLU (split into x·sigmoid(x)) for it.
         int8_attention: the consumer runs a MatMul of two activations in INT8, so ``Quantizer``
             splits attention into its products and softmax and quantizes them.
+        float_linear_outputs: the consumer runs a Gemm/MatMul of quantized inputs with a float
+            output (ORT's QGemm, MatMulIntegerToFloat), so ``Quantizer`` leaves a linear layer's
+            output that nothing reads quantized (the logits, GELU's input) unquantized.
+        elementwise_on_quantized: the consumer runs an Add/Mul in INT8 only between pairs on
+            both inputs, so ``Quantizer`` quantizes one only when both operands already are.
     """
 
     name: str
@@ -64,6 +69,8 @@ class Target:
     relu_range_from_zero: bool = False
     int8_sigmoid: bool = False
     int8_attention: bool = False
+    float_linear_outputs: bool = False
+    elementwise_on_quantized: bool = False
     #: the hint a rule broken on activation types gives.
     activation_hint: str = ""
 
@@ -88,7 +95,7 @@ REGISTRY: dict[str, Target] = {
     "onnxruntime": Target(
         "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
         activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True, int8_sigmoid=True,
-        int8_attention=True,
+        int8_attention=True, float_linear_outputs=True, elementwise_on_quantized=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
     "qnn": Target(

@@ -57,6 +57,17 @@ class AnnotationContext:
     #: Runtime rounds a float bias beside dequantized inputs that way itself (its
     #: BiasQuantization step); a model that rounds it first computes what ORT computes.
     int32_bias: bool = False
+    #: Leave a linear layer's output float when nothing reads it quantized (a model output, or
+    #: float ops only). The consumer runs that layer on quantized inputs with a float output; a
+    #: pair there would requantize and dequantize, for nothing, what may be the largest tensor of
+    #: a language model (GPT-2's logits: 128 × 50257).
+    float_linear_outputs: bool = False
+    #: Quantize an Add/Mul only when both operands are activations their producers quantize. ONNX
+    #: Runtime runs an elementwise op in INT8 only between pairs on both inputs (a float constant
+    #: operand, such as GELU's 0.5 or a layer scale, keeps it float), and an INT8 Add/Mul beside
+    #: float producers costs a QuantizeLinear per operand and a DequantizeLinear after it: more
+    #: than the float op, which reads and writes as many bytes, and a rounding more.
+    elementwise_on_quantized: bool = False
 
 
 #: ``.padding`` is the overload a string padding (``'same'``, ``'valid'``) captures as.
@@ -251,7 +262,19 @@ def _conv_transpose(node: Node, ctx: AnnotationContext) -> None:
     _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight_transposed}, ctx)
 
 
-@annotates(aten.matmul.default, aten.bmm.default, aten.mul.Tensor, aten.mul_.Tensor, *ADD_OPS)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default)
+
+
+def _reads_quantized_operands(node: Node) -> bool:
+    """Both operands are activations that their producers already quantize."""
+    operands = node.args[:2]
+    return len(operands) == 2 and all(
+        isinstance(a, Node) and not is_constant(a) and (annotation_of(a) is not None)
+        and annotation_of(a).output_qspec is not None for a in operands
+    )
+
+
+@annotates(*_PRODUCTS, aten.mul.Tensor, aten.mul_.Tensor, *ADD_OPS)
 def _binary(node: Node, ctx: AnnotationContext) -> None:
     if not is_float_tensor(node):
         return
@@ -261,6 +284,8 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
     # beside an activation (transformers' GPT-2 and Whisper encoder).
     inputs = {a: input_spec(a, ctx) for a in node.args[:2] if is_float_tensor(a) and not is_constant(a)}
     if not inputs:
+        return
+    if ctx.elementwise_on_quantized and node.target not in _PRODUCTS and not _reads_quantized_operands(node):
         return
     if node.target in ADD_OPS:
         _annotate_with_epilogue(node, inputs, ctx)
@@ -342,7 +367,46 @@ def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
         annotator = _ANNOTATORS.get(node.target)
         if annotator is not None:
             annotator(node, ctx)
+    if ctx.float_linear_outputs:
+        _leave_linear_outputs_float(model)
     return model
+
+
+_LINEAR_OPS = (aten.linear.default, aten.addmm.default)
+
+
+def _read_quantized(node: Node) -> bool:
+    """Whether any reader takes ``node`` through a pair (a parameter-sharing reader: its readers)."""
+    for user in node.users:
+        annotation = annotation_of(user)
+        if annotation is None or node not in annotation.input_qspec_map:
+            continue
+        if user.target in SHARING_OPS and isinstance(annotation.output_qspec, SharedQuantizationSpec):
+            if _read_quantized(user):
+                return True
+            continue
+        return True
+    return False
+
+
+def _clear_sharing_readers(node: Node) -> None:
+    for user in node.users:
+        annotation = annotation_of(user)
+        if annotation is not None and node in annotation.input_qspec_map and user.target in SHARING_OPS:
+            _clear_sharing_readers(user)
+            user.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
+
+
+def _leave_linear_outputs_float(model: GraphModule) -> None:
+    """Drop the output pair of every linear layer that nothing reads quantized: a model output
+    (the logits), or a tensor only float ops read (GELU's parts, a float residual Add)."""
+    for node in model.graph.nodes:
+        annotation = annotation_of(node)
+        if node.target not in _LINEAR_OPS or annotation is None or annotation.output_qspec is None:
+            continue
+        if not _read_quantized(node):
+            _clear_sharing_readers(node)
+            annotation.output_qspec = None
 
 
 def supported_operators() -> list[str]:

@@ -313,6 +313,8 @@ class Quantizer:
             post_relu=post_relu,
             int8_sigmoid=target.int8_sigmoid,
             int8_attention=target.int8_attention,
+            float_linear_outputs=target.float_linear_outputs,
+            elementwise_on_quantized=target.elementwise_on_quantized,
             int32_bias=target.int32_bias_allowed,
         )
         return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
