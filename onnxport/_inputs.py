@@ -2,12 +2,105 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .errors import InvalidArgumentError
+
+#: Where a model quantized from keyword inputs keeps their names, in the order it takes them.
+INPUT_NAMES_KEY = "onnxport_input_names"
+
+
+def recorded_input_names(model: Any) -> tuple[str, ...] | None:
+    """The keyword names a quantized model was captured with (it takes them positionally)."""
+    meta = getattr(model, "meta", None)
+    names = meta.get(INPUT_NAMES_KEY) if isinstance(meta, dict) else None
+    return tuple(names) if names else None
+
+
+def keyword_inputs(sample: Mapping, argument: str = "sample") -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """A dict of keyword inputs (``{'input_ids': …, 'attention_mask': …}``) → (names, tensors)."""
+    if not sample:
+        raise InvalidArgumentError(f"{argument} is an empty dict; give at least one input tensor by name.")
+    for name, value in sample.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgumentError(f"{argument} has the key {name!r}; keys must be forward's parameter names.")
+        if not isinstance(value, torch.Tensor):
+            hint = " (leave the key out instead)" if value is None else ""
+            raise InvalidArgumentError(
+                f"{argument}[{name!r}] is {_describe(value)}, not a torch.Tensor{hint}: every keyword input must be a "
+                f"tensor, batch dimension first."
+            )
+    return tuple(sample), tuple(sample.values())
+
+
+class _ByName:
+    """Calls ``model`` with positional inputs as the keyword inputs ``names``."""
+
+    def __init__(self, model: Any, names: tuple[str, ...]) -> None:
+        self.model, self.names = model, names
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, inputs)))
+
+
+def bind_sample(model: Any, sample: Any, argument: str = "sample") -> tuple[Callable, tuple[torch.Tensor, ...], tuple[str, ...] | None]:
+    """What to call, with which positional inputs, for a sample given as a tensor, a tuple or a dict.
+
+    A dict gives keyword inputs (a Hugging Face model called with ``input_ids`` and
+    ``attention_mask``). Returns ``(call, inputs, names)``: ``call(*inputs)`` runs the model,
+    ``names`` are the keywords in the order of ``inputs`` (``None`` for positional samples). A
+    model quantized from keyword inputs takes them positionally in its recorded order, and a dict
+    for it must hold exactly those names.
+    """
+    recorded = recorded_input_names(model)
+    if isinstance(sample, Mapping):
+        names, inputs = keyword_inputs(sample, argument)
+        if recorded is None:
+            return _ByName(model, names), inputs, names
+        if set(names) != set(recorded):
+            raise InvalidArgumentError(
+                f"{argument} names the inputs {sorted(names)}, but this model was quantized with {list(recorded)}; "
+                f"give the same keyword inputs."
+            )
+        return model, tuple(sample[n] for n in recorded), recorded
+    return model, as_input_tuple(sample, argument), recorded
+
+
+@contextlib.contextmanager
+def positional_forward(model: torch.nn.Module, names: Sequence[str] | None) -> Iterator[torch.nn.Module]:
+    """``model`` taking the keyword inputs ``names`` positionally, for as long as the block runs.
+
+    ``torch.export`` and ``torch.onnx.export`` capture positional inputs; a forward whose
+    signature is exactly ``names`` lets them capture keyword inputs (GPT-2's ``attention_mask`` is
+    its third parameter, after ``past_key_values``) with their names and module paths intact.
+    The model is left as it was.
+    """
+    if not names or recorded_input_names(model):
+        yield model
+        return
+    names = tuple(names)
+    had = "forward" in vars(model)
+    saved = vars(model).get("forward")
+    original = model.forward
+
+    def forward(*inputs: torch.Tensor) -> Any:
+        return original(**dict(zip(names, inputs)))
+
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    model.forward = forward
+    try:
+        yield model
+    finally:
+        if had:
+            model.forward = saved
+        else:
+            del model.forward
 
 
 def as_input_tuple(sample: Any, argument: str = "sample") -> tuple[torch.Tensor, ...]:
@@ -17,8 +110,8 @@ def as_input_tuple(sample: Any, argument: str = "sample") -> tuple[torch.Tensor,
     if isinstance(sample, (tuple, list)) and sample and all(isinstance(t, torch.Tensor) for t in sample):
         return tuple(sample)
     raise InvalidArgumentError(
-        f"{argument} must be a torch.Tensor or a non-empty tuple of torch.Tensors (one per model "
-        f"input, batch dimension first), not {_describe(sample)}."
+        f"{argument} must be a torch.Tensor, a non-empty tuple of torch.Tensors (one per model "
+        f"input, batch dimension first) or a dict of them by forward's parameter names, not {_describe(sample)}."
     )
 
 
@@ -49,18 +142,26 @@ def _matches(candidate: Any, reference: Sequence[torch.Tensor]) -> tuple[torch.T
     return tuple(candidate)
 
 
-def split_batch(batch: Any, reference: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+def _by_names(batch: Any, names: Sequence[str] | None) -> Any:
+    if names is not None and isinstance(batch, Mapping):
+        return tuple(batch[n] for n in names) if set(batch) == set(names) else None
+    return batch
+
+
+def split_batch(batch: Any, reference: Sequence[torch.Tensor],
+                names: Sequence[str] | None = None) -> tuple[torch.Tensor, ...] | None:
     """The model inputs held by one calibration batch, or ``None`` when it does not fit.
 
     A batch may be the inputs themselves (a tensor, or a tuple with one tensor per input), or an
-    ``(inputs, target…)`` pair as a DataLoader of a labelled data set yields. The inputs must
-    match ``reference`` (the sample) in count, rank, dtype kind and every dimension but the batch.
+    ``(inputs, target…)`` pair as a DataLoader of a labelled data set yields; with ``names``,
+    the inputs may be a dict of exactly those keyword inputs. The inputs must match
+    ``reference`` (the sample) in count, rank, dtype kind and every dimension but the batch.
     """
-    direct = _matches(batch, reference)
+    direct = _matches(_by_names(batch, names), reference)
     if direct is not None:
         return direct
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return _matches(batch[0], reference)
+        return _matches(_by_names(batch[0], names), reference)
     return None
 
 
@@ -82,6 +183,7 @@ def calibration_batches(
     reference: Sequence[torch.Tensor],
     argument: str = "calibration_data",
     limit: int | None = None,
+    names: Sequence[str] | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Read calibration data into a list of input tuples, checking every batch's structure.
 
@@ -90,16 +192,18 @@ def calibration_batches(
             ``(inputs, target)`` pairs.
         reference: the sample inputs the batches must match.
         argument: the argument name used in error messages.
+        names: the keyword names of ``reference``: a batch may then be a dict of them.
         limit: stop after this many samples (counted along the batch dimension), never
             overshooting: the last batch is trimmed, and no batch past it is read from ``data``
             (at most ``ceil(limit / batch_size)`` batches are pulled).
     """
     require_batches(data, argument)
-    expected = ", ".join(f"Tensor(N, {', '.join(map(str, t.shape[1:]))})" for t in reference)
+    labels = [f"{n}=" for n in names] if names else [""] * len(reference)
+    expected = ", ".join(f"{label}Tensor(N, {', '.join(map(str, t.shape[1:]))})" for label, t in zip(labels, reference))
     batches: list[tuple[torch.Tensor, ...]] = []
     seen = 0
     for index, batch in enumerate(data):
-        inputs = split_batch(batch, reference)
+        inputs = split_batch(batch, reference, names)
         if inputs is None:
             raise InvalidArgumentError(
                 f"{argument} batch {index} is {_describe(batch)}, which does not match the model's "

@@ -122,7 +122,9 @@ def export_onnx(
         model: the float ``nn.Module`` to export (it is exported in eval mode; its own mode is
             restored afterwards). For a model quantized with ``Quantizer(backend='pt2e')`` use
             ``export_qdq``: the float optimiser here is not meant for Q/DQ graphs.
-        sample: a tensor, or a tuple of tensors (one per input), batch dimension first.
+        sample: a tensor, a tuple of tensors (one per input), or a dict of tensors by forward's
+            parameter names (keyword inputs: ``{'input_ids': …, 'attention_mask': …}``; the
+            file's inputs take those names), batch dimension first.
         output_path: the ``.onnx`` file to write. It either receives a complete, checked file or
             is left as it was.
         opset_version: the default-domain opset the file must declare (13 to the newest ONNX
@@ -150,12 +152,12 @@ def export_onnx(
     import torch
 
     from ._export_torch import check_names, torch_program
-    from ._inputs import as_input_tuple, calibration_batches, flatten_outputs
+    from ._inputs import bind_sample, calibration_batches, flatten_outputs, positional_forward
     from ._torch import eval_mode, require_module
 
     # -- everything is validated before anything is written ---------------------------------
     require_module(model)
-    inputs = as_input_tuple(sample)
+    call, inputs, keywords = bind_sample(model, sample)
     target = check_output_path(output_path)
     opset_version = _validate_opset(opset_version)
     check_choice(quantize_mode, QUANTIZE_MODES, "quantize_mode")
@@ -169,7 +171,7 @@ def export_onnx(
                 "quantize_mode='static' needs calibration_data: an iterable of input batches "
                 "(a DataLoader works), or use quantize_mode='dynamic'."
             )
-        batches = calibration_batches(calibration_data, inputs)
+        batches = calibration_batches(calibration_data, inputs, names=keywords)
     elif calibration_data is not None:
         warnings.warn(
             "calibration_data is only used with quantize=True and quantize_mode='static'; it is ignored.",
@@ -177,10 +179,10 @@ def export_onnx(
             stacklevel=2,
         )
     with eval_mode(model), torch.no_grad():
-        reference = flatten_outputs(model(*inputs))
+        reference = flatten_outputs(call(*inputs))
     if not reference:
         raise InvalidArgumentError("The model returned no tensors on the sample; there is nothing to export.")
-    in_names = check_names(input_names, len(inputs), "input_names", "input")
+    in_names = check_names(input_names if input_names is not None else keywords, len(inputs), "input_names", "input")
     out_names = check_names(output_names, len(reference), "output_names", "output")
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
 
@@ -190,7 +192,7 @@ def export_onnx(
     n_steps = 4 + (1 if quantize else 0)
     with staged_output(target) as staged, tqdm(total=n_steps, desc="export_onnx", leave=False, disable=None) as bar:
         pipeline = Pipeline(feeds, scratch=staged.parent)
-        with eval_mode(model):
+        with eval_mode(model), positional_forward(model, keywords):
             graph = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names,
                 output_names=out_names, dynamic_batch=dynamic_batch,

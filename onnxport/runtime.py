@@ -257,19 +257,20 @@ def compare_onnx(
         model: the PyTorch ``nn.Module`` the file was exported from (run in eval mode, then its
             mode is restored).
         onnx_path: the ONNX file.
-        sample: a tensor or tuple of tensors, one per input.
+        sample: a tensor, a tuple of tensors (one per input) or a dict of them by name (as for
+            :func:`export_onnx`).
         rtol, atol: the tolerance of ``numpy.allclose`` each output must meet.
     """
     import torch
 
-    from ._inputs import as_input_tuple, flatten_outputs
+    from ._inputs import bind_sample, flatten_outputs
     from ._torch import eval_mode, require_module
 
     require_module(model)
-    inputs = as_input_tuple(sample)
+    call, inputs, _ = bind_sample(model, sample)
     onnx_model = ONNXModel(onnx_path)
     with eval_mode(model), torch.no_grad():
-        reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*inputs))]
+        reference = [t.detach().cpu().numpy() for t in flatten_outputs(call(*inputs))]
     got = onnx_model.run_numpy(*inputs)
     if len(got) != len(reference):
         raise InvalidArgumentError(

@@ -82,22 +82,23 @@ def test_every_target_exports_agrees_with_its_pt2e_model_and_runs_in_openvino(tm
             assert (ov_first.argmax(-1) == ort_first.argmax(-1)).mean() >= 0.75, target
 
 
-def _with_mask(entry, batch: int, seed: int):
-    """``(input_ids, attention_mask)`` with the tail of every other row padded away."""
+def _with_mask(entry, batch: int, seed: int, by_name: bool):
+    """``(input_ids, attention_mask)`` with the tail of every other row padded away; by keyword
+    (a dict) when ``by_name``."""
     import torch
 
     ids = entry.sample(batch=batch, seed=seed)
     mask = torch.ones_like(ids)
     mask[::2, -5:] = 0
-    return ids, mask
+    return {"input_ids": ids, "attention_mask": mask} if by_name else (ids, mask)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["BERT", "Llama"])
-def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, name):
-    """As users call them: ``model(input_ids, attention_mask)``, padding included. (GPT-2 takes
-    ``past_key_values`` second, so its mask can only be passed by keyword, which samples cannot
-    say yet.)"""
+@pytest.mark.parametrize("name, by_name", [("BERT", False), ("GPT-2", True)])
+def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, name, by_name):
+    """As users call them: ``model(input_ids, attention_mask)`` or ``model(input_ids=…,
+    attention_mask=…)``, padding included. GPT-2 takes ``past_key_values`` second, so its mask
+    can only be given by keyword."""
     from onnxport import (
         ONNXModel,
         Quantizer,
@@ -112,16 +113,19 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
 
     entry = ZOO[name]
     model = entry.model()
-    sample, check = _with_mask(entry, 2, 0), _with_mask(entry, 4, 3)
+    sample, check = _with_mask(entry, 2, 0, by_name), _with_mask(entry, 4, 3, by_name)
     fp32 = export_onnx(model, sample, tmp_path / "fp32.onnx")
     assert compare_onnx(model, fp32, check, atol=1e-4, rtol=1e-3).passed
-    assert len(ONNXModel(fp32).session.get_inputs()) == 2
-    quantized = Quantizer(target="onnxruntime").quantize(model, [_with_mask(entry, 4, s) for s in (10, 11)])
+    names = [i.name for i in ONNXModel(fp32).session.get_inputs()]
+    assert names == (["input_ids", "attention_mask"] if by_name else ["input_0", "input_1"])
+    quantized = Quantizer(target="onnxruntime").quantize(model, [_with_mask(entry, 4, s, by_name) for s in (10, 11)])
     path = export_qdq(quantized, sample, tmp_path / "qdq.onnx", dynamic_batch=True)
+    assert [i.name for i in ONNXModel(path).session.get_inputs()] == names
     assert compare_qdq(quantized, path, check).outputs[0].cosine_similarity >= 0.999
     assert verify_qdq(quantized, path, check) >= 0.75
     assert compare_layers(quantized, path, check).first_divergence is None
     assert qdq_report(path).extra["ort_int8"]["MatMul"]["float"] == 0
-    with_padding = _first(ONNXModel(path)(*check))
-    without = _first(ONNXModel(path)(check[0], check[1].clone().fill_(1)))
+    ids, mask = check.values() if by_name else check
+    with_padding = _first(ONNXModel(path)(ids, mask))
+    without = _first(ONNXModel(path)(ids, mask.clone().fill_(1)))
     assert not np.allclose(with_padding, without)  # the mask reaches the attention

@@ -14,8 +14,8 @@ from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
-from ..passes.lower_opset import LowerOpsetPass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
+from ..passes.lower_opset import LowerOpsetPass
 from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
@@ -85,7 +85,8 @@ def export_qdq(
 
     Args:
         model: a model from ``Quantizer(backend='pt2e')`` (or any pt2e-converted graph module).
-        sample: example input(s): a tensor or a tuple of tensors, batch first.
+        sample: example input(s): a tensor, a tuple of tensors, or a dict of them by name for a model
+            quantized from keyword inputs (the file's inputs take those names), batch first.
         output_path: the ``.onnx`` file; it receives a complete, checked file or is left as it was.
         opset_version: the default-domain opset the file must declare (13 and up); ``None``
             takes the model's target's (TensorRT 17, QNN A16W8 21, otherwise 18). The exporter
@@ -115,21 +116,23 @@ def export_qdq(
     """
 
     from .._export_torch import check_names, torch_program
-    from .._inputs import as_input_tuple
+    from .._inputs import bind_sample
     from .._torch import eval_mode, require_module
     from ..export import _validate_opset
     from ..quantize.spec import quant_spec
     from .translation import translation_table
 
     require_module(model)
-    inputs = as_input_tuple(sample)
+    _, inputs, keywords = bind_sample(model, sample)
+    if input_names is None:
+        input_names = keywords
     target = check_output_path(output_path)
     spec = quant_spec(model)
     weights = quantized_weights(model) if spec is None or spec.weight_only else []
     if weights or (spec is not None and spec.weight_only):
         return _export_weight_only_checked(
             model, inputs, target, spec, weights, opset_version=opset_version, activation_dtype=activation_dtype,
-            dynamic_batch=dynamic_batch, input_names=input_names, output_names=output_names,
+            dynamic_batch=dynamic_batch, input_names=input_names, output_names=output_names, keywords=keywords,
         )
     preset = spec.target if spec is not None else None
     record = target_record(preset)
@@ -219,9 +222,11 @@ def _export_weight_only_checked(
     dynamic_batch: bool,
     input_names: Sequence[str] | None,
     output_names: Sequence[str] | None,
+    keywords: tuple[str, ...] | None = None,
 ) -> Path:
     """The weight-only path of :func:`export_qdq`: validate everything, then export, write, check."""
     from .._export_torch import check_names
+    from .._inputs import positional_forward
     from ..export import _validate_opset
 
     precision = spec.describe() if spec is not None else "torchao weight-only"
@@ -247,7 +252,8 @@ def _export_weight_only_checked(
 
     from tqdm.auto import tqdm
 
-    with staged_output(target) as staged, tqdm(total=5, desc="export_qdq (weight-only)", leave=False, disable=None) as bar:
+    with staged_output(target) as staged, tqdm(total=5, desc="export_qdq (weight-only)", leave=False, disable=None) as bar, \
+            positional_forward(model, keywords):
         export_weight_only(
             model, inputs, staged, weights=weights, opset_version=opset_version, in_names=in_names,
             out_names=None if output_names is None else list(output_names), dynamic_batch=dynamic_batch, bar=bar,

@@ -388,7 +388,7 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
         model: the pt2e-quantized ``GraphModule`` the file was exported from (with
             ``optimized=True`` it is not run, and may be ``None``).
         onnx_path: the ONNX file.
-        sample: a tensor or tuple of tensors, batch first.
+        sample: a tensor, a tuple of tensors or a dict of them by name, batch first.
         optimized: compare ONNX Runtime's optimised run of the file (its fusions, e.g.
             QLinearConv) with the unoptimised one instead, at every quantized tensor that
             survives optimisation.
@@ -403,7 +403,7 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
 
     file_model = read_onnx(onnx_path, "onnx_path", load_external_data=True)  # the probe copy runs from memory
     base = None
-    batches = _split(sample, n_batches)
+    _, batches = _split(model, sample, n_batches)
     if optimized:
         return _compare_optimized(file_model, batches, base)
     from .._torch import require_module

@@ -46,12 +46,13 @@ class QDQComparison:
         return "\n".join(lines)
 
 
-def _split(sample: Any, n_batches: Any) -> list[tuple]:
+def _split(model: Any, sample: Any, n_batches: Any) -> tuple[Any, list[tuple]]:
+    """(what to call, ``sample`` cut into ``n_batches`` equal batches of positional inputs)."""
     import torch
 
-    from .._inputs import as_input_tuple
+    from .._inputs import bind_sample
 
-    inputs = as_input_tuple(sample)
+    call, inputs, _ = bind_sample(model, sample)
     if isinstance(n_batches, bool) or not isinstance(n_batches, int) or n_batches < 1:
         raise InvalidArgumentError(f"n_batches must be a positive integer, not {n_batches!r}.")
     total = inputs[0].shape[0] if inputs[0].dim() else 0
@@ -65,7 +66,7 @@ def _split(sample: Any, n_batches: Any) -> list[tuple]:
             f"pass an n_batches that divides {total}."
         )
     size = total // n_batches
-    return list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs)))
+    return call, list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs)))
 
 
 def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> float | None:
@@ -94,7 +95,7 @@ def compare_qdq(
     Args:
         model: the (quantized) PyTorch model the file was exported from.
         onnx_path: the ONNX file.
-        sample: a tensor or tuple of tensors, batch first.
+        sample: a tensor, a tuple of tensors or a dict of them by name, batch first.
         n_batches: split ``sample`` into this many equal batches (a graph exported with a fixed
             batch needs its own batch size).
         optimized: run the file as ONNX Runtime deploys it (its default graph optimisation:
@@ -114,7 +115,7 @@ def compare_qdq(
     from ..runtime import ONNXModel
 
     require_module(model)
-    batches = _split(sample, n_batches)
+    call, batches = _split(model, sample, n_batches)
     options = None
     if not optimized:
         import onnxruntime as ort
@@ -126,7 +127,7 @@ def compare_qdq(
     gots: list[list[np.ndarray]] = []
     with eval_mode(model), torch.no_grad():
         for batch in batches:
-            refs.append([t.detach().cpu().numpy() for t in flatten_outputs(model(*batch))])
+            refs.append([t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))])
             gots.append(runner.run_numpy(*batch))
     header = onnx.load_model(str(onnx_path), load_external_data=False)
     base = os.path.dirname(os.fspath(onnx_path))
@@ -157,13 +158,13 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
     from ..runtime import ONNXModel
 
     require_module(model)
-    batches = _split(sample, n_batches)
+    call, batches = _split(model, sample, n_batches)
     runner = ONNXModel(onnx_path)
     agreed = total = 0
     classes: set[int] = set()
     with eval_mode(model), torch.no_grad():
         for batch in batches:
-            ref = flatten_outputs(model(*batch))[0].detach().cpu().numpy().argmax(-1)
+            ref = flatten_outputs(call(*batch))[0].detach().cpu().numpy().argmax(-1)
             got = runner.run_numpy(*batch)[0].argmax(-1)
             agreed += int(np.sum(ref == got))
             total += int(ref.size)

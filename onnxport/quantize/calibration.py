@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .._inputs import calibration_batches, require_batches
+from .._inputs import calibration_batches, keyword_inputs, require_batches
 from ..errors import InvalidArgumentError
 
 
@@ -59,12 +59,18 @@ def first_inputs(batch: Any, model: torch.nn.Module, argument: str) -> tuple[tor
 
 def read_calibration(
     data: Iterable[Any] | None, model: torch.nn.Module, limit: int | None, argument: str = "calibration_dl"
-) -> list[tuple[torch.Tensor, ...]]:
-    """Every calibration batch as a tuple of CPU tensors, checked against the first batch."""
+) -> tuple[list[tuple[torch.Tensor, ...]], tuple[str, ...] | None]:
+    """Every calibration batch as a tuple of CPU tensors, checked against the first batch, and the
+    keyword names of those inputs when the batches are dicts (``None`` when positional)."""
     require_batches(data, argument)
     iterator = iter(data)
     first = next(iterator, None)
     if first is None:
         raise InvalidArgumentError(f"{argument} yielded no batches; give it at least one batch.")
-    reference = first_inputs(first, model, argument)
-    return calibration_batches(itertools.chain([first], iterator), reference, argument, limit=limit)
+    inputs = first[0] if isinstance(first, (tuple, list)) and first and isinstance(first[0], Mapping) else first
+    if isinstance(inputs, Mapping):
+        names, reference = keyword_inputs(inputs, f"{argument}'s first batch")
+    else:
+        names, reference = None, first_inputs(first, model, argument)
+    batches = calibration_batches(itertools.chain([first], iterator), reference, argument, limit=limit, names=names)
+    return batches, names

@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
+from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
 from .._torch import require_module
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
 from ..qdq.targets import TARGETS, target_record
@@ -32,6 +33,14 @@ WEIGHT_ONLY_QSCHEMES = ("per_group", "per_channel")
 
 class AffineActivationWarning(OnnxportWarning):
     """Activations with non-zero zero-points: TensorRT, among others, refuses them."""
+
+
+def _record_names(model: GraphModule, names: tuple[str, ...] | None) -> GraphModule:
+    """Keep the keyword names a model was captured with: it takes those inputs positionally, in
+    this order, and onnxport's functions map a dict sample onto them."""
+    if names:
+        model.meta[INPUT_NAMES_KEY] = tuple(names)
+    return model
 
 
 def _finish_pt2e(model: GraphModule, spec: QuantSpec) -> GraphModule:
@@ -357,10 +366,11 @@ class Quantizer:
             check_skip_names(model, self.skip_activations)
         if self.float_layers:
             check_skip_names(model, self.float_layers, "float_layers")
-        batches = read_calibration(calibration_dl, model, max_calibration_samples)
+        batches, names = read_calibration(calibration_dl, model, max_calibration_samples)
         work = copy.deepcopy(model).eval()
-        captured = _capture(work, batches[0], dynamic_batch)
-        return self._quantize_captured(captured, batches, dynamic_batch)
+        with positional_forward(work, names):
+            captured = _capture(work, batches[0], dynamic_batch)
+        return _record_names(self._quantize_captured(captured, batches, dynamic_batch), names)
 
     def _quantize_captured(self, captured: GraphModule, batches: list[tuple[torch.Tensor, ...]],
                            dynamic_batch: bool) -> GraphModule:
@@ -404,20 +414,22 @@ class Quantizer:
             raise InvalidArgumentError("prepare() is for Quantizer(backend='pt2e', method='qat'); use quantize().")
         from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-        from .._inputs import as_input_tuple
+        from .._inputs import as_input_tuple, keyword_inputs
 
         require_module(model)
         _model_device_check(model)
-        inputs = as_input_tuple(example_inputs, "example_inputs")
+        names, inputs = (keyword_inputs(example_inputs, "example_inputs") if isinstance(example_inputs, Mapping)
+                         else (None, as_input_tuple(example_inputs, "example_inputs")))
         if self.skip_activations:
             check_skip_names(model, self.skip_activations)
         if self.float_layers:
             check_skip_names(model, self.float_layers, "float_layers")
         work = copy.deepcopy(model).train()
-        captured = _capture(work, inputs, dynamic_batch)
+        with positional_forward(work, names):
+            captured = _capture(work, inputs, dynamic_batch)
         prepared = prepare_qat_pt2e(captured, self._pt2e_quantizer(is_qat=True))
         prepared.meta["onnxport_qat_pending"] = self.spec()
-        return prepared
+        return _record_names(prepared, names)
 
     def convert(self, prepared: GraphModule) -> GraphModule:
         """QAT: turn a trained model from :meth:`prepare` into the quantized model."""
@@ -427,12 +439,13 @@ class Quantizer:
         if not isinstance(prepared, GraphModule) or "onnxport_qat_pending" not in prepared.meta:
             raise InvalidArgumentError("convert() takes the model returned by Quantizer.prepare().")
         spec = prepared.meta.pop("onnxport_qat_pending")
+        names = recorded_input_names(prepared)
         move_exported_model_to_eval(prepared)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             converted = convert_pt2e(prepared)
         _release_device_caches()
-        return _finish_pt2e(converted, spec)
+        return _record_names(_finish_pt2e(converted, spec), names)
 
     # -- torchao -----------------------------------------------------------------------------
     def _torchao(self, model: torch.nn.Module) -> torch.nn.Module:

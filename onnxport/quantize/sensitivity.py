@@ -24,8 +24,19 @@ from .calibration import read_calibration
 METRICS = ("cosine", "top1")
 
 
+def _positional(read: tuple[list[tuple[torch.Tensor, ...]], tuple[str, ...] | None], argument: str
+                ) -> list[tuple[torch.Tensor, ...]]:
+    batches, names = read
+    if names is not None:
+        raise InvalidArgumentError(
+            f"{argument} gives its batches as dicts of keyword inputs, which the sensitivity search does not read "
+            f"yet; give each batch as a tuple of tensors in forward's order."
+        )
+    return batches
+
+
 def _eval_batches(eval_data: Any, model: torch.nn.Module) -> list[tuple[torch.Tensor, ...]]:
-    return read_calibration(eval_data, model, None, argument="eval_data")
+    return _positional(read_calibration(eval_data, model, None, argument="eval_data"), "eval_data")
 
 
 def _outputs(model: Any, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
@@ -58,7 +69,7 @@ class _Trials:
         if metric not in METRICS:
             raise InvalidArgumentError(f"metric must be one of {', '.join(map(repr, METRICS))}, not {metric!r}.")
         self.quantizer, self.metric, self.dynamic_batch = quantizer, metric, dynamic_batch
-        self.batches = read_calibration(calibration_data, model, None)
+        self.batches = _positional(read_calibration(calibration_data, model, None), "calibration_data")
         self.eval = _eval_batches(eval_data, model)
         self.reference = _outputs(model.eval(), self.eval)
         self.captured = _capture(copy.deepcopy(model).eval(), self.batches[0], dynamic_batch)

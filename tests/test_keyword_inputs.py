@@ -1,0 +1,82 @@
+"""Samples given by keyword (a dict), as Hugging Face models are called: every function takes
+them, the files' inputs carry their names, and the model passed in is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onnxport import (
+    ONNXModel,
+    Quantizer,
+    compare_layers,
+    compare_onnx,
+    compare_qdq,
+    export_onnx,
+    export_qdq,
+    verify_qdq,
+)
+from onnxport.errors import InvalidArgumentError
+
+
+class _Masked(torch.nn.Module):
+    """``mask`` is the third parameter, after one that is left at its default (GPT-2's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, past=None, mask=None):
+        y = torch.relu(self.proj(x))
+        if mask is not None:
+            y = y * mask.unsqueeze(-1)
+        return self.head(y.sum(1))
+
+
+def _batch(seed: int, n: int = 4) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.ones(n, 5)
+    mask[::2, -2:] = 0
+    return {"x": torch.randn(n, 5, 8, generator=generator), "mask": mask}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return _Masked().eval()
+
+
+def test_float_export_by_keyword_names_the_inputs_and_leaves_the_model_alone(model, tmp_path):
+    path = export_onnx(model, _batch(0), tmp_path / "m.onnx")
+    assert "forward" not in vars(model)  # the positional forward was only borrowed for the capture
+    assert [i.name for i in ONNXModel(path).session.get_inputs()] == ["x", "mask"]
+    assert compare_onnx(model, path, _batch(1)).passed
+    # the mask is used: a file that dropped it would agree with an unmasked call
+    unmasked = {"x": _batch(1)["x"], "mask": torch.ones(4, 5)}
+    assert not torch.allclose(model(**_batch(1)), model(**unmasked))
+    assert compare_onnx(model, path, unmasked).passed
+
+
+def test_quantized_by_keyword_through_every_function(model, tmp_path):
+    quantized = Quantizer(target="onnxruntime").quantize(model, [_batch(s) for s in (2, 3)])
+    sample = _batch(4)
+    path = export_qdq(quantized, sample, tmp_path / "q.onnx", dynamic_batch=True)
+    assert [i.name for i in ONNXModel(path).session.get_inputs()] == ["x", "mask"]
+    reordered = {"mask": sample["mask"], "x": sample["x"]}  # matched by name, not by order
+    assert compare_qdq(quantized, path, reordered).outputs[0].cosine_similarity >= 0.999
+    assert compare_layers(quantized, path, sample).first_divergence is None
+    assert 0.0 <= verify_qdq(quantized, path, _batch(5, n=8)) <= 1.0
+    with pytest.raises(InvalidArgumentError, match=r"quantized with \['x', 'mask'\]"):
+        export_qdq(quantized, {"x": sample["x"]}, tmp_path / "bad.onnx")
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_bad_keyword_samples_are_refused_before_anything_is_written(model, tmp_path):
+    with pytest.raises(InvalidArgumentError, match="leave the key out"):
+        export_onnx(model, {"x": torch.randn(2, 5, 8), "mask": None}, tmp_path / "a.onnx")
+    with pytest.raises(InvalidArgumentError, match="empty dict"):
+        export_onnx(model, {}, tmp_path / "b.onnx")
+    with pytest.raises(InvalidArgumentError, match="does not match"):
+        Quantizer().quantize(model, [_batch(0), {"x": torch.randn(4, 5, 8)}])  # a batch without the mask
+    assert not list(tmp_path.iterdir())
