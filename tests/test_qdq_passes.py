@@ -229,6 +229,23 @@ def test_report_names_float_ops_and_missing_kernel_shape(tmp_path):
     assert report.as_dict()["stats"]["n_per_channel"] == 1
 
 
+def test_report_says_why_an_add_or_mul_stays_float():
+    body = [*_QDQ, helper.make_node("Relu", ["xd"], ["r"]),
+            helper.make_node("Add", ["xd", "xd"], ["between_pairs"]),  # both operands dequantized: INT8
+            helper.make_node("Mul", ["xd", "half"], ["scaled"]),  # GELU's 0.5
+            helper.make_node("Add", ["r", "xd"], ["after_float"]),
+            helper.make_node("Add", ["scaled", "after_float"], ["y0"]),
+            helper.make_node("Add", ["y0", "between_pairs"], ["y"])]
+    report = qdq_report(_graph_with(body, [*_W, _c("half", np.float32(0.5))]), ort=False)
+    assert report.extra["float_elementwise"] == {
+        "Mul: a float constant operand": 1,
+        "Add: an operand from Relu (float)": 1,
+        "Add: an operand from Add (float), an operand from Mul (float)": 1,
+        "Add: an operand from Add (float)": 1,
+    }
+    assert "float (no pair on both operands, so no QLinearAdd/QLinearMul): Mul: a float constant operand x1" in str(report)
+
+
 # -- weight transpose folding ------------------------------------------------------------------------
 def test_weight_transpose_is_folded_into_the_constant_exactly():
     from onnxport.passes import fold_weight_transpose

@@ -170,6 +170,8 @@ class QDQReport:
             lines.append(
                 f"Conv without kernel_shape (TensorRT's parser rejects these): {len(self.missing_kernel_shape)}"
             )
+        for why, count in self.extra.get("float_elementwise", {}).items():
+            lines.append(f"  float (no pair on both operands, so no QLinearAdd/QLinearMul): {why} x{count}")
         ort_counts = self.extra.get("ort_int8")
         if ort_counts:
             runs = ", ".join(f"{op} {c['int8']}/{c['int8'] + c['float']}" for op, c in ort_counts.items())
@@ -197,13 +199,36 @@ def _why_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], consts:
     return None
 
 
+_ELEMENTWISE = ("Add", "Mul")
+
+
+def _why_elementwise_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto],
+                           consts: dict[str, onnx.TensorProto]) -> str | None:
+    """Why an Add/Mul does not run between pairs (ORT's QLinearAdd/QLinearMul need a DQ on both
+    operands), or None when it does."""
+    reasons = []
+    for name in node.input[:2]:
+        producer = made_by.get(name)
+        if producer is not None and producer.op_type == "DequantizeLinear":
+            continue
+        if name in consts or (producer is not None and producer.op_type == "Constant"):
+            reasons.append("a float constant operand")
+        elif producer is None:
+            reasons.append("a float graph input")
+        else:
+            reasons.append(f"an operand from {producer.op_type} (float)")
+    return ", ".join(sorted(set(reasons))) if reasons else None
+
+
 def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = True) -> QDQReport:
     """Which Conv/Gemm/MatMul run between Q/DQ pairs and which stay float, zero-point types,
     the opset and the Convs missing ``kernel_shape``.
 
     With ``ort=True`` (and a file path) it also builds the file in ONNX Runtime and reads the
     graph ORT optimised: ``extra['ort_int8']`` says how many Conv/Gemm/MatMul/Add ORT actually
-    runs in INT8 — the figure that explains a speed-up or its absence.
+    runs in INT8 — the figure that explains a speed-up or its absence. ``extra['float_elementwise']``
+    counts the Add/Mul left float and why (a float constant operand, an operand from a float op
+    such as LayerNormalization): ONNX Runtime runs one in INT8 only with a pair on both operands.
     """
     model, base = _load(onnx_path)
     nodes = qdq_nodes(model, base)
@@ -212,6 +237,7 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     zp_types: Counter[str] = Counter()
     missing: list[str] = []
     consts = all_constants(model)
+    kept_float: Counter[str] = Counter()
     for graph in walk_graphs(model.graph):
         made_by = producers(graph)
         for node in graph.node:
@@ -220,12 +246,14 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
             if node.op_type in _COMPUTE_OPS:
                 why = _why_float(node, made_by, consts)
                 ops.append(ComputeOp(_name(node), node.op_type, why is None, why))
+            elif node.op_type in _ELEMENTWISE and (why := _why_elementwise_float(node, made_by, consts)):
+                kept_float[f"{node.op_type}: {why}"] += 1
         missing += convs_missing_kernel_shape(graph)
     for q in nodes:
         if q.zero_point is not None:
             zp_types[onnx.helper.tensor_dtype_to_np_dtype(q.zero_point.data_type).name] += 1
     opset = opset_of(model)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"float_elementwise": dict(kept_float.most_common())}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
         optimised = ort_optimised_ops(onnx_path)
         counts = ort_int8_counts(onnx_path, optimised)
