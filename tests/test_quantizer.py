@@ -360,8 +360,8 @@ def test_bad_calibration(resnet):
 
 def test_calibration_cap_never_overshoots():
     data = [torch.randn(64, 3) for _ in range(4)]
-    batches = read_calibration(data, nn.Linear(3, 2), limit=100)
-    assert [b[0].shape[0] for b in batches] == [64, 36]
+    batches, names = read_calibration(data, nn.Linear(3, 2), limit=100)
+    assert [b[0].shape[0] for b in batches] == [64, 36] and names is None  # positional batches
 
 
 class _CountingImages(torch.utils.data.Dataset):
@@ -383,7 +383,7 @@ def test_capped_calibration_reads_no_batch_past_the_cap(cap, batch, reads, kept)
     data = _CountingImages(40)
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
-    batches = read_calibration(loader, model, limit=cap, argument="calibration_dl")
+    batches, _ = read_calibration(loader, model, limit=cap, argument="calibration_dl")
     assert [b[0].shape[0] for b in batches] == kept
     assert data.reads == reads  # ceil(cap / batch) batches, never one more
     data.reads = 0
