@@ -267,11 +267,11 @@ def compare_onnx(
     from ._torch import eval_mode, require_module
 
     require_module(model)
-    call, inputs, _ = bind_sample(model, sample)
+    call, inputs, names = bind_sample(model, sample)
     onnx_model = ONNXModel(onnx_path)
     with eval_mode(model), torch.no_grad():
         reference = [t.detach().cpu().numpy() for t in flatten_outputs(call(*inputs))]
-    got = onnx_model.run_numpy(*inputs)
+    got = run_inputs(onnx_model, inputs, names)
     if len(got) != len(reference):
         raise InvalidArgumentError(
             f"The file has {len(got)} outputs but the model returns {len(reference)}; was it exported from this model?"
@@ -281,6 +281,14 @@ def compare_onnx(
         rtol,
         atol,
     )
+
+
+def run_inputs(runner: ONNXModel, inputs: tuple, names: Sequence[str] | None) -> list[np.ndarray]:
+    """Run ``inputs`` through the file: by name when they were given by keyword and the file's
+    inputs carry those names (a dict's order need not be the file's), positionally otherwise."""
+    if names is not None and set(names) == set(runner.input_names):
+        return runner.run_numpy(**dict(zip(names, inputs)))
+    return runner.run_numpy(*inputs)
 
 
 def verify_onnx(

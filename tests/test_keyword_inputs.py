@@ -52,6 +52,7 @@ def test_float_export_by_keyword_names_the_inputs_and_leaves_the_model_alone(mod
     assert "forward" not in vars(model)  # the positional forward was only borrowed for the capture
     assert [i.name for i in ONNXModel(path).session.get_inputs()] == ["x", "mask"]
     assert compare_onnx(model, path, _batch(1)).passed
+    assert compare_onnx(model, path, dict(reversed(_batch(1).items()))).passed  # fed to the file by name
     # the mask is used: a file that dropped it would agree with an unmasked call
     unmasked = {"x": _batch(1)["x"], "mask": torch.ones(4, 5)}
     assert not torch.allclose(model(**_batch(1)), model(**unmasked))

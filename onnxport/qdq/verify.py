@@ -46,13 +46,14 @@ class QDQComparison:
         return "\n".join(lines)
 
 
-def _split(model: Any, sample: Any, n_batches: Any) -> tuple[Any, list[tuple]]:
-    """(what to call, ``sample`` cut into ``n_batches`` equal batches of positional inputs)."""
+def _split(model: Any, sample: Any, n_batches: Any) -> tuple[Any, list[tuple], tuple[str, ...] | None]:
+    """(what to call, ``sample`` cut into ``n_batches`` equal batches of positional inputs, their
+    keyword names when given by name)."""
     import torch
 
     from .._inputs import bind_sample
 
-    call, inputs, _ = bind_sample(model, sample)
+    call, inputs, names = bind_sample(model, sample)
     if isinstance(n_batches, bool) or not isinstance(n_batches, int) or n_batches < 1:
         raise InvalidArgumentError(f"n_batches must be a positive integer, not {n_batches!r}.")
     total = inputs[0].shape[0] if inputs[0].dim() else 0
@@ -66,7 +67,7 @@ def _split(model: Any, sample: Any, n_batches: Any) -> tuple[Any, list[tuple]]:
             f"pass an n_batches that divides {total}."
         )
     size = total // n_batches
-    return call, list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs)))
+    return call, list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs))), names
 
 
 def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> float | None:
@@ -112,10 +113,10 @@ def compare_qdq(
 
     from .._inputs import flatten_outputs
     from .._torch import eval_mode, require_module
-    from ..runtime import ONNXModel
+    from ..runtime import ONNXModel, run_inputs
 
     require_module(model)
-    call, batches = _split(model, sample, n_batches)
+    call, batches, names = _split(model, sample, n_batches)
     options = None
     if not optimized:
         import onnxruntime as ort
@@ -128,7 +129,7 @@ def compare_qdq(
     with eval_mode(model), torch.no_grad():
         for batch in batches:
             refs.append([t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))])
-            gots.append(runner.run_numpy(*batch))
+            gots.append(run_inputs(runner, batch, names))
     header = onnx.load_model(str(onnx_path), load_external_data=False)
     base = os.path.dirname(os.fspath(onnx_path))
     results = []
@@ -155,17 +156,17 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
 
     from .._inputs import flatten_outputs
     from .._torch import eval_mode, require_module
-    from ..runtime import ONNXModel
+    from ..runtime import ONNXModel, run_inputs
 
     require_module(model)
-    call, batches = _split(model, sample, n_batches)
+    call, batches, names = _split(model, sample, n_batches)
     runner = ONNXModel(onnx_path)
     agreed = total = 0
     classes: set[int] = set()
     with eval_mode(model), torch.no_grad():
         for batch in batches:
             ref = flatten_outputs(call(*batch))[0].detach().cpu().numpy().argmax(-1)
-            got = runner.run_numpy(*batch)[0].argmax(-1)
+            got = run_inputs(runner, batch, names)[0].argmax(-1)
             agreed += int(np.sum(ref == got))
             total += int(ref.size)
             classes.update(np.unique(ref).tolist())
