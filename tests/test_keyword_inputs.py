@@ -67,7 +67,7 @@ def test_quantized_by_keyword_through_every_function(model, tmp_path):
     reordered = {"mask": sample["mask"], "x": sample["x"]}  # matched by name, not by order
     assert compare_qdq(quantized, path, reordered).outputs[0].cosine_similarity >= 0.999
     assert compare_layers(quantized, path, sample).first_divergence is None
-    assert 0.0 <= verify_qdq(quantized, path, _batch(5, n=8)) <= 1.0
+    assert verify_qdq(quantized, path, _batch(5, n=8)) >= 7 / 8  # two classes among the 8: not vacuous
     with pytest.raises(InvalidArgumentError, match=r"quantized with \['x', 'mask'\]"):
         export_qdq(quantized, {"x": sample["x"]}, tmp_path / "bad.onnx")
     assert not (tmp_path / "bad.onnx").exists()
