@@ -80,4 +80,8 @@ def test_bad_keyword_samples_are_refused_before_anything_is_written(model, tmp_p
         export_onnx(model, {}, tmp_path / "b.onnx")
     with pytest.raises(InvalidArgumentError, match="does not match"):
         Quantizer().quantize(model, [_batch(0), {"x": torch.randn(4, 5, 8)}])  # a batch without the mask
+    from onnxport import sensitivity
+
+    with pytest.raises(InvalidArgumentError, match="sensitivity search does not read"):
+        sensitivity(model, [_batch(0)], [_batch(1)])
     assert not list(tmp_path.iterdir())
