@@ -73,6 +73,27 @@ def test_quantized_by_keyword_through_every_function(model, tmp_path):
     assert not (tmp_path / "bad.onnx").exists()
 
 
+def test_qat_by_keyword_trains_converts_and_exports_by_name(model, tmp_path):
+    quantizer = Quantizer(method="qat", target="onnxruntime")
+    prepared = quantizer.prepare(model, _batch(0))
+    optimiser = torch.optim.SGD(prepared.parameters(), lr=0.01)
+    for seed in range(3):
+        batch = _batch(10 + seed)
+        loss = prepared(**batch).pow(2).mean()  # the trainable copy takes the same keywords
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    quantized = quantizer.convert(prepared)
+    sample = {"mask": _batch(4)["mask"], "x": _batch(4)["x"]}  # another order than the capture's
+    path = export_qdq(quantized, sample, tmp_path / "qat.onnx")
+    assert [i.name for i in ONNXModel(path).session.get_inputs()] == ["x", "mask"]
+    assert compare_qdq(quantized, path, sample).outputs[0].cosine_similarity >= 0.999
+    # the names live on the converted model: a dict missing one is refused before anything is written
+    with pytest.raises(InvalidArgumentError, match=r"quantized with \['x', 'mask'\]"):
+        export_qdq(quantized, {"mask": sample["mask"]}, tmp_path / "bad.onnx")
+    assert not (tmp_path / "bad.onnx").exists()
+
+
 def test_bad_keyword_samples_are_refused_before_anything_is_written(model, tmp_path):
     with pytest.raises(InvalidArgumentError, match="leave the key out"):
         export_onnx(model, {"x": torch.randn(2, 5, 8), "mask": None}, tmp_path / "a.onnx")
