@@ -12,8 +12,9 @@ the checkpoints people deploy, with seeded random weights). Per model:
 * ONNX Runtime's ``quantize_static`` (QDQ, per-channel, MinMax, the same calibration batches) and,
   for text models, ``quantize_dynamic``, both on the FP32 export;
 * latency of the FP32 file, our ``'onnxruntime'`` file and ORT's files, at batch 1 (and 8 for
-  image models): the sessions are built once and run in turns, and the median of each is kept,
-  so every file sees the same machine;
+  image models): in each of several turns every file runs alone in a fresh session (an idle
+  session's spinning threads would slow the next), the order rotating, and the median of each is
+  kept, so every file sees the same machine;
 * what ORT runs in INT8 in our file (its optimised graph) and which compute ops stay float.
 
     python -m bench zoo
@@ -35,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGETS = tuple(t.strip() for t in os.environ.get("ONNXPORT_BENCH_ZOO_TARGETS", "onnxruntime").split(",") if t.strip())
-ROUNDS = 40  # turns of the side-by-side latency loop (this machine's noise needs more than 20)
+ROUNDS, WARMUP, RUNS = 8, 3, 6  # turns of the latency loop; per turn and file: untimed, then timed runs
 CALIBRATION = (2, 4)  # batches, samples per batch: the same data for pt2e and for ORT's quantizer
 
 
@@ -77,8 +78,11 @@ def zoo_models() -> list:
     ]
 
 
-def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[str, dict[int, float]]:
-    """Median milliseconds per file and batch, the files run in turns."""
+def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[str, dict[int, list[float]]]:
+    """Each round's median milliseconds per file and batch; in a round each file runs alone in a
+    fresh session."""
+    import gc
+
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -86,25 +90,27 @@ def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[st
     # random weights push some FP32 activations into subnormal floats (EfficientNet-B0's
     # squeeze-excite: 280 ms instead of ~20), which trained weights do not: flush them for every file
     options.add_session_config_entry("session.set_denormal_as_zero", "1")
-    sessions = {name: ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-                for name, path in files.items()}
-    table: dict[str, dict[int, float]] = {name: {} for name in files}
-    for batch, data in inputs.items():
-        times: dict[str, list[float]] = {name: [] for name in files}
-        for session in sessions.values():  # warm-up
-            session.run(None, {session.get_inputs()[0].name: data})
-        names = list(sessions)
-        for turn in range(ROUNDS):
-            # each file takes each place in the turn equally often: none always runs after the slowest
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
-                session = sessions[name]
+    rounds: dict[str, dict[int, list[float]]] = {name: {batch: [] for batch in inputs} for name in files}
+    names = list(files)
+    for turn in range(ROUNDS):
+        # One session at a time: an idle session's worker threads keep spinning after its run, and
+        # on two cores they slowed the next file by up to half (ConvNeXt-atto: 14.5 ms beside the
+        # other three sessions, 9.7 ms alone). Each file takes each place in the turn in rotation.
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            session = ort.InferenceSession(str(files[name]), options, providers=["CPUExecutionProvider"])
+            for batch, data in inputs.items():
                 feed = {session.get_inputs()[0].name: data}
-                start = time.perf_counter()
-                session.run(None, feed)
-                times[name].append((time.perf_counter() - start) * 1000)
-        for name in files:
-            table[name][batch] = statistics.median(times[name])
-    return table
+                for _ in range(WARMUP):
+                    session.run(None, feed)
+                times = []
+                for _ in range(RUNS):
+                    start = time.perf_counter()
+                    session.run(None, feed)
+                    times.append((time.perf_counter() - start) * 1000)
+                rounds[name][batch].append(statistics.median(times))
+            del session
+            gc.collect()
+    return rounds
 
 
 def _fused(path: Path) -> dict:
@@ -159,8 +165,13 @@ def _one(entry, out: Path) -> dict:
     sizes = (1, 8) if entry.kind == "image" else (1,)
     inputs = {b: entry.sample(batch=b, seed=5).numpy() for b in sizes}
     with torch.no_grad():
-        latency = _latencies(files, inputs)
-    result["latency_ms"] = {name: {f"batch{b}": ms for b, ms in by_batch.items()} for name, by_batch in latency.items()}
+        rounds = _latencies(files, inputs)
+    result["latency_ms"] = {name: {f"batch{b}": statistics.median(ms) for b, ms in by_batch.items()}
+                            for name, by_batch in rounds.items()}
+    # The machine's speed drifts over a model's minute of timing: a speed-up is the median of each
+    # round's own ratio (the files of one round ran seconds apart), not a ratio of medians.
+    result["speedup"] = {name: {f"batch{b}": statistics.median(f / t for f, t in zip(rounds["fp32"][b], ms))
+                                for b, ms in by_batch.items()} for name, by_batch in rounds.items()}
     return result
 
 
@@ -185,6 +196,8 @@ def run(out_dir: Path | None = None) -> dict:
 
 
 def _speed(entry: dict, file: str, batch: str) -> float | None:
+    if "speedup" in entry:
+        return entry["speedup"].get(file, {}).get(batch)
     ms = entry["latency_ms"]
     return ms["fp32"][batch] / ms[file][batch] if file in ms else None
 
@@ -192,7 +205,7 @@ def _speed(entry: dict, file: str, batch: str) -> float | None:
 def report(results: dict) -> str:
     lines = [
         "The zoo on ONNX Runtime (CPU): every path, fidelity of each target's file to its pt2e model, and the",
-        "'onnxruntime' file's speed (x = FP32 latency / file latency, median of turns) against ORT's quantize_static",
+        "'onnxruntime' file's speed (x = FP32 latency / file latency, median of the rounds' ratios) against ORT's quantize_static",
         "and quantize_dynamic files of the same model.",
         "",
         ("| model | export_onnx | " + " | ".join(f"{t} cos / steps" for t in TARGETS) + " "
