@@ -13,8 +13,8 @@ the checkpoints people deploy, with seeded random weights). Per model:
   for text models, ``quantize_dynamic``, both on the FP32 export;
 * latency of the FP32 file, our ``'onnxruntime'`` file and ORT's files, at batch 1 (and 8 for
   image models): in each of several turns every file runs alone in a fresh session (an idle
-  session's spinning threads would slow the next), the order rotating, and the median of each is
-  kept, so every file sees the same machine;
+  session's spinning threads would slow the next), the order rotating; a speed-up is the median
+  of the rounds' own ratios, so the machine's drift between rounds cancels;
 * what ORT runs in INT8 in our file (its optimised graph) and which compute ops stay float.
 
     python -m bench zoo
