@@ -196,10 +196,7 @@ def run(out_dir: Path | None = None) -> dict:
 
 
 def _speed(entry: dict, file: str, batch: str) -> float | None:
-    if "speedup" in entry:
-        return entry["speedup"].get(file, {}).get(batch)
-    ms = entry["latency_ms"]
-    return ms["fp32"][batch] / ms[file][batch] if file in ms else None
+    return entry["speedup"].get(file, {}).get(batch)
 
 
 def report(results: dict) -> str:
