@@ -357,3 +357,33 @@ def test_a_mean_over_every_spatial_axis_becomes_a_global_pool_in_bodies_too(opse
         np.testing.assert_allclose(run(pooled, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0],
                                    rtol=1e-6, atol=1e-7)
 
+
+def test_a_zero_pad_on_a_float_input_moves_behind_the_pair_into_the_conv_in_bodies_too():
+    from onnxport.passes.fold_pad import FoldPadIntoConvPass
+
+    def body(p):  # x -> Pad -> Q -> DQ -> Conv: the pad on the model's float input (per-channel pair)
+        return [helper.make_node("Pad", ["x", "pads"], [f"{p}_padded"]),
+                helper.make_node("QuantizeLinear", [f"{p}_padded", "s", "zp"], [f"{p}_pq"], axis=1),
+                helper.make_node("DequantizeLinear", [f"{p}_pq", "s", "zp"], [f"{p}_p"], axis=1),
+                helper.make_node("DequantizeLinear", ["wq", "ws", "wzp"], [f"{p}_w"], axis=0),
+                helper.make_node("Conv", [f"{p}_p", f"{p}_w"], ["same"], strides=[2, 2])]
+
+    inits = [_c("s", np.array([0.05, 0.02, 0.1], np.float32)), _c("zp", np.array([3, -4, 0], np.int8)),
+             _c("pads", np.array([0, 0, 1, 1, 0, 0, 1, 1])),
+             _c("wq", RNG.integers(-127, 127, (4, 3, 3, 3)).astype(np.int8)), _c("ws", np.full(4, 0.01, np.float32)),
+             _c("wzp", np.zeros(4, np.int8))]
+    main = [n for n in body("main")]  # the main graph too, where shape inference records the pair's shapes
+    main[-1].output[0] = "main_y"
+    model = onnx.shape_inference.infer_shapes(_if_model(
+        body, inits, [1, 3, 7, 7], [1, 4, 4, 4], main_nodes=main,
+        main_outputs=[helper.make_tensor_value_info("main_y", FLOAT, [1, 4, 4, 4])]))
+    folded, first, second = _apply(FoldPadIntoConvPass(), model)
+    assert (first, second) == (True, False)
+    assert "Pad" not in [n.op_type for n in folded.graph.node]
+    ops = [n.op_type for n in _body_nodes(folded)]
+    assert "Pad" not in ops and ops.count("QuantizeLinear") == 2  # the pair stays: it quantizes x now
+    assert all(n.input[0] == "x" for n in _body_nodes(folded) if n.op_type == "QuantizeLinear")
+    convs = [n for n in _body_nodes(folded) if n.op_type == "Conv"]
+    assert all(helper.get_attribute_value(a) == [1, 1, 1, 1] for n in convs for a in n.attribute if a.name == "pads")
+    onnx.checker.check_model(folded, full_check=True)  # the pair's recorded shapes are the unpadded input's
+    _same_bytes(folded, model, (1, 3, 7, 7))

@@ -95,6 +95,34 @@ def test_a_float_op_that_computes_something_else_is_a_float_kernel_divergence(tm
     assert any(op.startswith("Tanh") for op in first.segment)
 
 
+class PaddedInputConv(torch.nn.Module):
+    """TensorFlow-style 'same' padding on the model's input, as transformers' MobileNetV2 writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.pad(x, (0, 1, 0, 1))).relu()
+
+
+def test_a_pad_moved_into_the_conv_is_compared_on_the_region_it_pads(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 15, 15)
+    quantized = Quantizer().quantize(PaddedInputConv().eval(), [x])
+    path = tmp_path / "padded.onnx"
+    export_qdq(quantized, x[:2], path, dynamic_batch=True)
+    model = onnx.load(str(path))
+    assert "Pad" not in [n.op_type for n in model.graph.node]  # the pad is the Conv's now...
+    first_q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
+    assert first_q.input[0] == model.graph.input[0].name  # ...and the input's quantizer reads x itself
+    report = compare_layers(quantized, path, x)
+    assert report.first_divergence is None, str(report)
+    row = next(r for r in report.rows if r.kind == "layer")
+    assert row.shape == (3, 15, 15) and row.torch_node == "pad" and row.error_in_steps <= 1.001
+    assert all(r.cause != "structure" for r in report.rows)
+
+
 def test_a_transformer_file_follows_its_model(tmp_path):
     torch.manual_seed(0)
     tokens = torch.randint(0, 100, (8, 16))

@@ -6,7 +6,10 @@ two pairs with the same parameters, and ONNX Runtime can fuse neither the pair n
 its QLinearConv. A Conv pads with zeros itself; the DequantizeLinear of a zero-point is exactly
 zero, and re-quantizing a dequantized tensor with the same scale and zero-point gives back the
 same integers, so ``DQ → Conv(pads + pad)`` computes the same tensor. A Pad of all zeros (the
-stride-1 case of the same model code) is dropped the same way.
+stride-1 case of the same model code) is dropped the same way. A Pad that reads anything else (the
+model's float input, in the same model code) moves behind the pair: a QuantizeLinear maps 0 to its
+zero-point, which dequantizes to the Conv's own zero padding, so ``Q → DQ → Conv(pads + pad)`` is
+exact too.
 """
 
 from __future__ import annotations
@@ -56,20 +59,18 @@ def _spatial_pads(pad: ir.Node, rank: int) -> list[int] | None:
 
 
 class FoldPadIntoConvPass(ir.passes.InPlacePass):
-    """Fold every ``DQ → Pad(zeros) → Q → DQ → Conv`` with one set of parameters into ``DQ → Conv``."""
+    """Fold every ``Pad(zeros) → Q → DQ → Conv`` into the Conv: ``DQ → Conv`` after a pair with the same
+    parameters, ``Q → DQ → Conv`` after anything else."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         for pad in list(nodes(model)):
             if pad.op_type != "Pad" or not is_default(pad) or pad.inputs[0] is None:
                 continue
-            before = pad.inputs[0].producer()
-            if before is None or before.op_type != "DequantizeLinear" or not is_default(before):
-                continue
             q = _single_reader(pad.outputs[0], "QuantizeLinear")
             dq = q and _single_reader(q.outputs[0], "DequantizeLinear")
             conv = dq and _single_reader(dq.outputs[0], "Conv")
-            if conv is None or not _same_parameters(before, q) or not _same_parameters(q, dq):
+            if conv is None or not _same_parameters(q, dq):
                 continue
             rank = len(pad.inputs[0].shape) if pad.inputs[0].shape is not None else None
             amounts = _spatial_pads(pad, rank) if rank else None
@@ -79,7 +80,13 @@ class FoldPadIntoConvPass(ir.passes.InPlacePass):
             existing = conv.attributes.get("pads")
             current = list(existing.as_ints()) if existing is not None else [0] * len(amounts)
             conv.attributes["pads"] = ir.AttrInt64s("pads", [a + b for a, b in zip(current, amounts)])
-            conv.replace_input_with(0, before.outputs[0])
+            before = pad.inputs[0].producer()
+            if before is not None and before.op_type == "DequantizeLinear" and is_default(before) \
+                    and _same_parameters(before, q):
+                conv.replace_input_with(0, before.outputs[0])  # the pair after the pad gave back these integers
+            else:
+                q.replace_input_with(0, pad.inputs[0])  # Q(0) is the zero-point: quantizing commutes with the pad
+                q.outputs[0].shape = dq.outputs[0].shape = pad.inputs[0].shape  # the pair now holds the unpadded tensor
             modified = True
         if modified:
             RemoveUnusedNodesPass()(model)  # the Pads and the pairs after them

@@ -274,6 +274,10 @@ class _TorchAnchor:
     scale: float
     zero_point: int
     source: str
+    # torch's (before, after) amounts, last axis first, when the quantizer reads a zero pad: the file
+    # may quantize the unpadded tensor and leave the padding to its Conv (a QuantizeLinear maps 0 to
+    # its zero-point, so both hold the same integers where they overlap)
+    pad: tuple[int, ...] | None = None
 
 
 def _is_quantize(target: Any) -> bool:
@@ -297,8 +301,46 @@ def _torch_anchors(model: Any) -> list[_TorchAnchor]:
             zp = int(getattr(model, zp.target)) if getattr(zp, "op", None) == "get_attr" else 0
         if scale is None:
             continue
-        anchors.append(_TorchAnchor(node, index, float(np.float32(scale)), int(zp), getattr(source, "name", str(source))))
+        anchors.append(_TorchAnchor(node, index, float(np.float32(scale)), int(zp), getattr(source, "name", str(source)),
+                                    _zero_pad(source)))
     return anchors
+
+
+def _zero_pad(node: Any) -> tuple[int, ...] | None:
+    """The amounts of a constant zero pad (``F.pad(x, pad)``, ``aten.constant_pad_nd``), else None."""
+    import torch
+
+    aten = torch.ops.aten
+    if getattr(node, "op", None) != "call_function" or node.target not in (aten.pad.default, aten.constant_pad_nd.default):
+        return None
+    if node.target == aten.pad.default:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    else:
+        mode, value = "constant", node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    amounts = node.args[1]
+    if mode != "constant" or value not in (None, 0, 0.0) or not all(isinstance(a, int) and a >= 0 for a in amounts):
+        return None
+    return tuple(amounts)
+
+
+def _unpadded_shape(shape: tuple[int, ...], pad: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """``shape`` (without the batch) before ``pad`` was applied, or None when it was not padded."""
+    if not pad or len(pad) // 2 > len(shape):
+        return None
+    out = list(shape)
+    for axis in range(len(pad) // 2):
+        out[-1 - axis] -= pad[2 * axis] + pad[2 * axis + 1]
+    return tuple(out) if min(out) > 0 else None
+
+
+def _unpad(values: np.ndarray, pad: tuple[int, ...]) -> np.ndarray:
+    """The region of a padded tensor that its input occupied."""
+    region = [slice(None)] * values.ndim
+    for axis in range(len(pad) // 2):
+        size = values.shape[-1 - axis]
+        region[-1 - axis] = slice(pad[2 * axis], size - pad[2 * axis + 1])
+    return values[tuple(region)]
 
 
 def _run_torch(model: Any, anchors: list[_TorchAnchor], batches: list[tuple]) -> list[dict[str, tuple]]:
@@ -340,16 +382,17 @@ def _same_qparams(scale: float, zero_point: int, dtype: int, t: _TorchAnchor) ->
 
 
 def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
-           file_shapes: dict[str, tuple], torch_shapes: dict[str, tuple]) -> dict[int, _TorchAnchor | None]:
-    """File anchor index → model anchor: same scale, zero-point (up to the uint8 move) and shape,
-    earliest first; then, for those left, the same shape at the nearest relative position."""
+           file_shapes: dict[str, tuple], torch_shapes: dict[str, set]) -> dict[int, _TorchAnchor | None]:
+    """File anchor index → model anchor: same scale, zero-point (up to the uint8 move) and shape
+    (``torch_shapes`` holds each model anchor's shape, and its unpadded one when it reads a zero
+    pad), earliest first; then, for those left, the same shape at the nearest relative position."""
     free = list(torch_anchors)
     matched: dict[int, _TorchAnchor | None] = {}
 
     for f in file_anchors:
         shape = file_shapes.get(f.q_node.output[0])
         pick = next((t for t in free if _same_qparams(f.scale, f.zero_point, f.dtype, t)
-                     and torch_shapes.get(t.node.name) == shape), None)
+                     and shape in torch_shapes.get(t.node.name, ())), None)
         if pick is not None:
             free.remove(pick)
         matched[f.index] = pick
@@ -358,7 +401,7 @@ def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
         if matched[f.index] is not None:
             continue
         shape = file_shapes.get(f.q_node.output[0])
-        candidates = [t for t in free if torch_shapes.get(t.node.name) == shape]
+        candidates = [t for t in free if shape in torch_shapes.get(t.node.name, ())]
         if candidates:
             pick = min(candidates, key=lambda t: abs(torch_anchors.index(t) / n_torch - position / n_file))
             free.remove(pick)
@@ -426,8 +469,14 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     file_shapes = {a.q_node.output[0]: tuple(np.shape(got[0][a.q_node.output[0]])[1:]) for a in file_anchors}
-    torch_shapes = {t.node.name: tuple(np.shape(ref[0][t.node.name][1])[1:]) for t in torch_anchors}
+    full = {t.node.name: tuple(np.shape(ref[0][t.node.name][1])[1:]) for t in torch_anchors}
+    torch_shapes = {t.node.name: {full[t.node.name], _unpadded_shape(full[t.node.name], t.pad)} for t in torch_anchors}
     matched = _match(file_anchors, torch_anchors, file_shapes, torch_shapes)
+    for f in file_anchors:  # a file that moved a zero pad into its Conv quantizes the unpadded tensor
+        t = matched[f.index]
+        if t is not None and file_shapes[f.q_node.output[0]] != full[t.node.name]:
+            for run in ref:
+                run[t.node.name] = tuple(_unpad(v, t.pad) for v in run[t.node.name])
     isolated = _isolated_run(file_model, file_anchors, matched, batches, ref)
     rows: list[LayerRow] = []
     made_by = producers(file_model.graph)
