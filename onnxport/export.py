@@ -14,6 +14,7 @@ from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from ._io import check_output_path, external_data_files, staged_output
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
+from .passes.gelu_order import GeluOrderPass
 from .passes.lower_opset import LowerOpsetPass
 from .passes.optimize import OnnxSlimPass
 from .passes.pool_window import PoolWindowPass
@@ -229,6 +230,7 @@ def float_steps(opset_version: int, optimize: bool) -> list[Step]:
     """The graph steps of :func:`export_onnx`, in order, each with its proof."""
     steps = [
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
+        Step("order GELUs for fusion", GeluOrderPass(), "identical outputs"),
         # one ulp apart in ORT's unoptimised run (another summation order), equal in its
         # optimised run and in torch: the checker is its proof (see qdq_steps)
         Step("clip pool windows to their input", PoolWindowPass(), "checker"),

@@ -387,3 +387,47 @@ def test_a_zero_pad_on_a_float_input_moves_behind_the_pair_into_the_conv_in_bodi
     assert all(helper.get_attribute_value(a) == [1, 1, 1, 1] for n in convs for a in n.attribute if a.name == "pads")
     onnx.checker.check_model(folded, full_check=True)  # the pair's recorded shapes are the unpadded input's
     _same_bytes(folded, model, (1, 3, 7, 7))
+
+
+def test_the_exporters_gelu_is_reordered_for_ort_fusion_in_bodies_too():
+    from onnxport.passes.gelu_order import GeluOrderPass
+
+    def body(p):  # torch.onnx's erf GELU: x * (0.5 * (1 + erf(x / sqrt 2)))
+        return [helper.make_node("Div", ["x", "sqrt2"], [f"{p}_d"]), helper.make_node("Erf", [f"{p}_d"], [f"{p}_e"]),
+                helper.make_node("Add", [f"{p}_e", "one"], [f"{p}_a"]),
+                helper.make_node("Mul", [f"{p}_a", "half"], [f"{p}_h"]),
+                helper.make_node("Mul", ["x", f"{p}_h"], ["same"])]
+
+    inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5))]
+    model = _if_model(body, inits, [2, 64], [2, 64])
+    reordered, first, second = _apply(GeluOrderPass(), model)
+    assert (first, second) == (True, False)
+    for branch in reordered.graph.node[0].attribute:
+        muls = [n for n in branch.g.node if n.op_type == "Mul"]
+        assert [list(n.input) for n in muls] == [["x", f"{branch.g.name}_a"], [muls[0].output[0], "half"]]
+        assert muls[1].output[0] == "same"
+    onnx.checker.check_model(reordered, full_check=True)
+    _same_bytes(reordered, model, (2, 64))  # halving is exact: the same bits
+    fused = _ort_optimised_ops(reordered)  # and now ONNX Runtime runs one Gelu per branch
+    assert fused.count("Gelu") == 2 and "Erf" not in fused and _ort_optimised_ops(model).count("Erf") == 2
+    # a GELU whose half is not 0.5 (another function) is left alone
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    next(t for t in other.graph.initializer if t.name == "half").CopyFrom(_c("half", np.float32(0.25)))
+    assert _apply(GeluOrderPass(), other)[1] is False
+
+
+def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
+    """The op types of ONNX Runtime's optimised graph, bodies included."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as scratch:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = f"{scratch}/optimised.onnx"
+        options.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        optimised = onnx.load(options.optimized_model_filepath)
+    return [n.op_type for n in optimised.graph.node] + [n.op_type for n in _body_nodes(optimised)]

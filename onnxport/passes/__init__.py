@@ -4,6 +4,7 @@ subgraphs; the function forms exported here take and return an ``onnx.ModelProto
 from .conv_kernel_shape import add_conv_kernel_shape, convs_missing_kernel_shape
 from .fold_pad import fold_pads_into_convs
 from .fold_weight_transpose import fold_weight_transpose
+from .gelu_order import order_gelus_for_fusion
 from .global_mean import spatial_means_to_global_pools
 from .lower_opset import lower_opset
 from .pool_window import clip_pool_windows
@@ -20,6 +21,7 @@ __all__ = [
     "fold_qdq_parameter_casts",
     "fold_weight_transpose",
     "lower_opset",
+    "order_gelus_for_fusion",
     "spatial_means_to_global_pools",
     "strip_unused_opsets",
 ]

@@ -13,6 +13,7 @@ from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_pad import FoldPadIntoConvPass
+from ..passes.gelu_order import GeluOrderPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
 from ..passes.lower_opset import LowerOpsetPass
@@ -174,6 +175,7 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
         Step("fold weight transposes", FoldWeightTransposePass(), "identical outputs"),
         Step("fold zero pads into convs", FoldPadIntoConvPass(), "identical outputs"),
+        Step("order GELUs for fusion", GeluOrderPass(), "identical outputs"),
         Step("add Conv kernel_shape", AddConvKernelShapePass(), "checker"),
         Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"),
     ]

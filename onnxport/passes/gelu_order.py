@@ -1,0 +1,87 @@
+"""Write the exact GELU in the order ONNX Runtime fuses.
+
+torch.onnx writes ``gelu(x)`` (erf form) as ``x * (0.5 * (1 + erf(x / √2)))``. ONNX Runtime's
+``GeluFusion`` recognises ``(x * 0.5) * (1 + erf(x / √2))`` and ``(x * (1 + erf(x / √2))) * 0.5``
+but not this order, so every GELU of a BERT, ViT, Swin or Whisper file ran as five float ops
+(Div, Erf, Add, Mul, Mul: five passes over the MLP's widest tensor) instead of one ``Gelu``, in
+the float export and between the pairs of a Q/DQ file alike. Halving is exact in binary floating
+point, so ``x * (a * 0.5)`` and ``(x * a) * 0.5`` are the same number (short of subnormals):
+the rewrite is proven by identical outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+import onnx_ir as ir
+
+from ._ir import const_array, is_default, nodes, on_proto
+
+
+def _scalar(value: ir.Value | None, expected: float, tolerance: float = 0.0) -> bool:
+    values = const_array(value)
+    return values is not None and values.size == 1 and abs(float(values.reshape(())) - expected) <= tolerance
+
+
+def _only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    reader = uses[0][0]
+    return reader if reader.op_type == op_type and is_default(reader) else None
+
+
+def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The input of a two-input node that is not ``value``."""
+    if len(node.inputs) != 2:
+        return None
+    first, second = node.inputs
+    return second if first is value else first if second is value else None
+
+
+def _match(div: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node, ir.Value, ir.Value] | None:
+    """For ``x / √2`` starting the exporter's GELU: (x, half, outer, add_out, half_constant)."""
+    if len(div.inputs) != 2 or not _scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
+        return None
+    x = div.inputs[0]
+    erf = _only_reader(div.outputs[0], "Erf")
+    add = erf and _only_reader(erf.outputs[0], "Add")
+    if add is None or not _scalar(_other(add, erf.outputs[0]), 1.0):
+        return None
+    half = _only_reader(add.outputs[0], "Mul")
+    constant = half and _other(half, add.outputs[0])
+    if constant is None or not _scalar(constant, 0.5):
+        return None
+    outer = _only_reader(half.outputs[0], "Mul")
+    if outer is None or _other(outer, half.outputs[0]) is not x:
+        return None
+    return x, half, outer, add.outputs[0], constant
+
+
+class GeluOrderPass(ir.passes.InPlacePass):
+    """Rewrite every ``x * (0.5 * (1 + erf(x / √2)))`` as ``(x * (1 + erf(x / √2))) * 0.5``."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for div in list(nodes(model)):
+            if div.op_type != "Div" or not is_default(div) or div.graph is None:
+                continue
+            found = _match(div)
+            if found is None:
+                continue
+            x, half, outer, one_plus_erf, constant = found
+            product = ir.node("Mul", inputs=[x, one_plus_erf], name=half.name)
+            halved = ir.node("Mul", inputs=[product.outputs[0], constant], name=outer.name)
+            # the last Mul keeps the GELU's output value (its name, shape and every reader)
+            ir.convenience.replace_nodes_and_values(div.graph, half, [half, outer], [product, halved],
+                                                    [outer.outputs[0]], [halved.outputs[0]])
+            product.outputs[0].dtype, product.outputs[0].shape = x.dtype, outer.outputs[0].shape
+            modified = True
+        return ir.passes.PassResult(model, modified)
+
+
+def order_gelus_for_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Return a copy of ``model`` with :class:`GeluOrderPass` applied (idempotent)."""
+    return on_proto(GeluOrderPass(), model)
+
