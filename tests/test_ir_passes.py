@@ -330,26 +330,29 @@ def test_a_zero_pad_between_pairs_is_folded_into_the_conv_in_bodies_too():
 def test_a_mean_over_every_spatial_axis_becomes_a_global_pool_in_bodies_too(opset):
     from onnxport.passes.global_mean import SpatialMeanToGlobalPoolPass
 
-    def mean(p, name, axes, **kw):  # axes are an input from opset 18 on, an attribute before
+    def mean(p, name, axes, source="xd", **kw):  # axes are an input from opset 18 on, an attribute before
+        reads = f"{p}_{source}" if source == "xd" else source
         if opset >= 18:
-            return helper.make_node("ReduceMean", ["x", f"axes_{name}"], [f"{p}_{name}"], **kw)
-        return helper.make_node("ReduceMean", ["x"], [f"{p}_{name}"], axes=axes, **kw)
+            return helper.make_node("ReduceMean", [reads, f"axes_{name}"], [f"{p}_{name}"], **kw)
+        return helper.make_node("ReduceMean", [reads], [f"{p}_{name}"], axes=axes, **kw)
 
-    def body(p):  # x.mean((2, 3), keepdim=True) and x.mean((-1, -2), ...): pools; the others are not
-        return [mean(p, "hw", [2, 3]), mean(p, "neg", [-1, -2]), mean(p, "chw", [1, 2, 3]),
-                mean(p, "flat", [2, 3], keepdims=0),
+    def body(p):  # x.mean((2, 3), keepdim=True) and x.mean((-1, -2), ...) after a pair: pools; the others are not
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
+                mean(p, "hw", [2, 3]), mean(p, "neg", [-1, -2]), mean(p, "chw", [1, 2, 3]),
+                mean(p, "flat", [2, 3], keepdims=0), mean(p, "float", [2, 3], source="x"),  # float: ORT gains nothing
                 helper.make_node("Unsqueeze", [f"{p}_flat", "last"], [f"{p}_back"]),
-                helper.make_node("Sum", [f"{p}_hw", f"{p}_neg", f"{p}_chw", f"{p}_back"], ["same"])]
+                helper.make_node("Sum", [f"{p}_hw", f"{p}_neg", f"{p}_chw", f"{p}_back", f"{p}_float"], ["same"])]
 
-    inits = [_c("last", np.array([2, 3]))]
+    inits = [_c("last", np.array([2, 3])), _c("s", np.float32(0.02)), _c("zp", np.int8(0))]
     if opset >= 18:
         inits += [_c(f"axes_{n}", np.array(a)) for n, a in
-                  (("hw", [2, 3]), ("neg", [-1, -2]), ("chw", [1, 2, 3]), ("flat", [2, 3]))]
+                  (("hw", [2, 3]), ("neg", [-1, -2]), ("chw", [1, 2, 3]), ("flat", [2, 3]), ("float", [2, 3]))]
     model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [2, 3, 5, 4], [2, 3, 1, 1], opset=opset))
     pooled, first, second = _apply(SpatialMeanToGlobalPoolPass(), model)
     assert (first, second) == (True, False)
     ops = [n.op_type for n in _body_nodes(pooled)]
-    assert ops.count("GlobalAveragePool") == 4 and ops.count("ReduceMean") == 4  # two per branch each
+    assert ops.count("GlobalAveragePool") == 4 and ops.count("ReduceMean") == 6  # per branch: two, three
     assert not {"axes_hw", "axes_neg"} & {i.name for i in pooled.graph.initializer}  # unread now
     onnx.checker.check_model(pooled, full_check=True)
     for flag in (True, False):  # the same mean; the sum may run in another order
@@ -431,3 +434,33 @@ def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
         ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         optimised = onnx.load(options.optimized_model_filepath)
     return [n.op_type for n in optimised.graph.node] + [n.op_type for n in _body_nodes(optimised)]
+
+
+def test_rsqrt_becomes_a_division_that_ort_fuses_as_an_rmsnorm_in_bodies_too():
+    from onnxport.passes.rsqrt_div import RsqrtToDivPass
+
+    def body(p):  # torch.onnx's RMSNorm: w * (x * reciprocal(sqrt(mean(x ** 2) + eps)))
+        return [helper.make_node("Pow", ["x", "two"], [f"{p}_sq"]),
+                helper.make_node("ReduceMean", [f"{p}_sq", "last"], [f"{p}_ms"], keepdims=1),
+                helper.make_node("Add", [f"{p}_ms", "eps"], [f"{p}_v"]), helper.make_node("Sqrt", [f"{p}_v"], [f"{p}_s"]),
+                helper.make_node("Reciprocal", [f"{p}_s"], [f"{p}_r"]),
+                helper.make_node("Mul", [f"{p}_r", "x"] if p == "then" else ["x", f"{p}_r"], [f"{p}_n"]),
+                helper.make_node("Mul", ["w", f"{p}_n"], ["same"])]
+
+    inits = [_c("two", np.float32(2)), _c("last", np.array([-1])), _c("eps", np.float32(1e-6)),
+             _c("w", RNG.standard_normal(64).astype(np.float32))]
+    model = _if_model(body, inits, [2, 8, 64], [2, 8, 64])
+    divided, first, second = _apply(RsqrtToDivPass(), model)
+    assert (first, second) == (True, False)
+    for branch in divided.graph.node[0].attribute:  # either operand order of the product
+        ops = [n.op_type for n in branch.g.node]
+        assert "Reciprocal" not in ops and ops.count("Div") == 1
+        div = next(n for n in branch.g.node if n.op_type == "Div")
+        assert list(div.input) == ["x", f"{branch.g.name}_s"] and div.output[0] == f"{branch.g.name}_n"
+    onnx.checker.check_model(divided, full_check=True)
+    for flag in (True, False):  # one rounding fewer: the same to a last bit
+        feeds = {"x": RNG.standard_normal((2, 8, 64)).astype(np.float32), "flag": np.array(flag)}
+        np.testing.assert_allclose(run(divided, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0],
+                                   rtol=1e-6, atol=1e-7)
+    fused = _ort_optimised_ops(divided)
+    assert fused.count("SimplifiedLayerNormalization") == 2 and _ort_optimised_ops(model).count("Reciprocal") == 2

@@ -9,6 +9,7 @@ from .global_mean import spatial_means_to_global_pools
 from .lower_opset import lower_opset
 from .pool_window import clip_pool_windows
 from .qdq_parameters import fold_qdq_parameter_casts
+from .rsqrt_div import rsqrt_to_div
 from .strip_unused_opsets import strip_unused_opsets
 from .uint8_activations import activations_to_uint8
 
@@ -22,6 +23,7 @@ __all__ = [
     "fold_weight_transpose",
     "lower_opset",
     "order_gelus_for_fusion",
+    "rsqrt_to_div",
     "spatial_means_to_global_pools",
     "strip_unused_opsets",
 ]

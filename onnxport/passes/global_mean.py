@@ -6,6 +6,9 @@ axes. Between a DequantizeLinear and a QuantizeLinear, ONNX Runtime fuses a Glob
 into its integer ``QLinearGlobalAveragePool`` but leaves a ReduceMean in float with the pair
 around it; on the zoo RegNetY-800MF that pair and mean were a fifth of the file's time. Both ops
 average the same elements over the same axes (every axis after the channel axis, kept as size 1);
+only a mean that reads a DequantizeLinear is rewritten: a float mean gains nothing, and a
+ReduceMean is what ORT's norm fusions look for (an RMSNorm's mean of squares over the last axis
+of a rank-3 tensor is "every axis after the channels" too);
 they may sum in another order, so a last bit can move and the step is proven by the checker after
 every identical-outputs step.
 """
@@ -29,6 +32,11 @@ def _axes(node: ir.Node) -> list[int] | None:
 
 def _is_spatial_mean(node: ir.Node) -> bool:
     x = node.inputs[0] if node.inputs else None
+    reads = x.producer() if x is not None else None
+    if reads is None or reads.op_type != "DequantizeLinear" or not is_default(reads):
+        # only between pairs does ORT gain (QLinearGlobalAveragePool); a float mean of a rank-3
+        # tensor is a norm's statistic (Llama's RMSNorm), which ORT fuses only as a ReduceMean
+        return False
     if x is None or x.shape is None or len(x.shape) < 3 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
                                                                             ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
         return False

@@ -16,6 +16,7 @@ from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.gelu_order import GeluOrderPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
+from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.lower_opset import LowerOpsetPass
 from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
@@ -184,6 +185,7 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
     # Last: ORT's unoptimised run of a global pool or a clipped window sums in another order (one
     # ulp apart; its optimised run and torch agree with the original), and identical-outputs proofs
     # compare with the graph as produced, so no such proof may follow a step that can move a last bit.
+    steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), "checker"))
     steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), "checker"))
     steps.append(Step("clip pool windows to their input", PoolWindowPass(), "checker"))
     return steps
