@@ -84,4 +84,3 @@ class GeluOrderPass(ir.passes.InPlacePass):
 def order_gelus_for_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
     """Return a copy of ``model`` with :class:`GeluOrderPass` applied (idempotent)."""
     return on_proto(GeluOrderPass(), model)
-

@@ -6,11 +6,12 @@ axes. Between a DequantizeLinear and a QuantizeLinear, ONNX Runtime fuses a Glob
 into its integer ``QLinearGlobalAveragePool`` but leaves a ReduceMean in float with the pair
 around it; on the zoo RegNetY-800MF that pair and mean were a fifth of the file's time. Both ops
 average the same elements over the same axes (every axis after the channel axis, kept as size 1);
-only a mean that reads a DequantizeLinear is rewritten: a float mean gains nothing, and a
-ReduceMean is what ORT's norm fusions look for (an RMSNorm's mean of squares over the last axis
-of a rank-3 tensor is "every axis after the channels" too);
 they may sum in another order, so a last bit can move and the step is proven by the checker after
 every identical-outputs step.
+
+Only a mean that reads a DequantizeLinear is rewritten: a float mean gains nothing, and a
+ReduceMean is what ORT's norm fusions look for (an RMSNorm's mean of squares over the last axis of
+a rank-3 tensor is "every axis after the channels" too).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_pad import FoldPadIntoConvPass
-from ..passes.gelu_order import GeluOrderPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
+from ..passes.gelu_order import GeluOrderPass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
 from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.lower_opset import LowerOpsetPass
