@@ -88,6 +88,40 @@ def test_onnxruntime_preset_runs_silu_and_sigmoid_gates_in_int8(tmp_path):
     assert "aten.silu.default" in [str(n.target) for n in trt.graph.nodes if n.op == "call_function"]
 
 
+class _NormReluBlock(torch.nn.Module):
+    """BiT's pattern: a ReLU after a GroupNorm (no conv before it to fuse with), read by a conv
+    directly and through a zero pad and a max pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 8)
+        self.conv = torch.nn.Conv2d(8, 8, 1)
+        self.padded = torch.nn.Conv2d(8, 8, 3, stride=2)
+
+    def forward(self, x):
+        y = torch.relu(self.norm(self.stem(x)))
+        pooled = torch.nn.functional.max_pool2d(torch.nn.functional.pad(y, (1, 1, 1, 1)), 2)
+        return self.conv(y) + self.padded(pooled).mean()
+
+
+def test_onnxruntime_preset_gives_a_float_producers_relu_an_unsigned_range(tmp_path):
+    model = _NormReluBlock().eval()
+    calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    # the export checks the target's rules: a ReLU feeding a QuantizeLinear whose range does not
+    # start at 0 was refused here (ORT then keeps the ReLU in float, and the conv before it)
+    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    graph = onnx.load(path).graph
+    made_by = {o: n for n in graph.node for o in n.output}
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    after_relu = [n for n in graph.node if n.op_type == "QuantizeLinear" and made_by.get(n.input[0]) is not None
+                  and made_by[n.input[0]].op_type in ("Relu", "MaxPool", "Pad")]
+    assert after_relu and all(consts[q.input[2]].dtype == np.uint8 and consts[q.input[2]] == 0 for q in after_relu)
+    assert not check_target(path, "onnxruntime")
+    assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
+
+
 class _Conv1D(torch.nn.Module):
     """transformers' GPT-2 projection: ``addmm(bias, x, w)`` with ``w`` stored (in, out)."""
 

@@ -175,6 +175,17 @@ def _non_negative(node: Node) -> bool:
     return False
 
 
+def _value_source(node: Node) -> Node:
+    """The node that decides ``node``'s sign: back through zero pads and the sharing ops (shapes,
+    pools, means, identities), none of which can make a non-negative tensor negative."""
+    seen = 0
+    while isinstance(node, Node) and node.op == "call_function" and node.args and seen < 64 and (
+            (node.target in SHARING_OPS and not _non_negative(node))
+            or (node.target in PAD_OPS and _zero_padding(node))):
+        node, seen = node.args[0], seen + 1
+    return node
+
+
 def _output_spec(ctx: AnnotationContext, producer: Node) -> QuantizationSpec:
     if ctx.post_relu is not None and _non_negative(producer):
         return ctx.post_relu
@@ -190,7 +201,10 @@ def input_spec(arg: Node, ctx: AnnotationContext) -> object:
     producer = annotation_of(arg)
     if producer is not None and producer.output_qspec is not None:
         return SharedQuantizationSpec(arg)
-    return ctx.activation
+    # A float producer may still hold no negatives: a ReLU after a norm (BiT's GroupNorm + ReLU),
+    # seen through zero pads and pools. It gets the unsigned range a target asks for after a ReLU,
+    # or ONNX Runtime keeps the ReLU in float and the conv before it too.
+    return _output_spec(ctx, _value_source(arg))
 
 
 def _annotate_with_epilogue(node: Node, inputs: dict[Node, object], ctx: AnnotationContext) -> None:
