@@ -21,6 +21,18 @@ def nodes(model: ir.Model):
         yield from ir.traversal.RecursiveGraphIterator(function)
 
 
+def only_reader(value: ir.Value, op_type: str, input_index: int | None = None) -> ir.Node | None:
+    """The one default-domain ``op_type`` node that reads ``value`` (at ``input_index``, when given),
+    or None when anything else reads it too or it is a graph output: a rewrite may then own it."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    reader, index = uses[0]
+    if reader.op_type != op_type or not is_default(reader) or (input_index is not None and index != input_index):
+        return None
+    return reader
+
+
 def const_array(value: ir.Value | None) -> np.ndarray | None:
     """The values of a constant (initializer or ``Constant`` output), or None when computed."""
     if value is None:

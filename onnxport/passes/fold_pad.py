@@ -19,15 +19,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from ._ir import const_array, is_default, nodes, on_proto
-
-
-def _single_reader(value: ir.Value, op_type: str) -> ir.Node | None:
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    reader, index = uses[0]
-    return reader if reader.op_type == op_type and is_default(reader) and index == 0 else None
+from ._ir import const_array, is_default, nodes, on_proto, only_reader
 
 
 def _same_parameters(a: ir.Node, b: ir.Node) -> bool:
@@ -67,9 +59,9 @@ class FoldPadIntoConvPass(ir.passes.InPlacePass):
         for pad in list(nodes(model)):
             if pad.op_type != "Pad" or not is_default(pad) or pad.inputs[0] is None:
                 continue
-            q = _single_reader(pad.outputs[0], "QuantizeLinear")
-            dq = q and _single_reader(q.outputs[0], "DequantizeLinear")
-            conv = dq and _single_reader(dq.outputs[0], "Conv")
+            q = only_reader(pad.outputs[0], "QuantizeLinear", 0)
+            dq = q and only_reader(q.outputs[0], "DequantizeLinear", 0)
+            conv = dq and only_reader(dq.outputs[0], "Conv", 0)
             if conv is None or not _same_parameters(q, dq):
                 continue
             rank = len(pad.inputs[0].shape) if pad.inputs[0].shape is not None else None

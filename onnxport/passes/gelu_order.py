@@ -16,20 +16,12 @@ import math
 import onnx
 import onnx_ir as ir
 
-from ._ir import const_array, is_default, nodes, on_proto
+from ._ir import const_array, is_default, nodes, on_proto, only_reader
 
 
 def _scalar(value: ir.Value | None, expected: float, tolerance: float = 0.0) -> bool:
     values = const_array(value)
     return values is not None and values.size == 1 and abs(float(values.reshape(())) - expected) <= tolerance
-
-
-def _only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    reader = uses[0][0]
-    return reader if reader.op_type == op_type and is_default(reader) else None
 
 
 def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
@@ -45,15 +37,15 @@ def _match(div: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node, ir.Value, ir.Value
     if len(div.inputs) != 2 or not _scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
         return None
     x = div.inputs[0]
-    erf = _only_reader(div.outputs[0], "Erf")
-    add = erf and _only_reader(erf.outputs[0], "Add")
+    erf = only_reader(div.outputs[0], "Erf")
+    add = erf and only_reader(erf.outputs[0], "Add")
     if add is None or not _scalar(_other(add, erf.outputs[0]), 1.0):
         return None
-    half = _only_reader(add.outputs[0], "Mul")
+    half = only_reader(add.outputs[0], "Mul")
     constant = half and _other(half, add.outputs[0])
     if constant is None or not _scalar(constant, 0.5):
         return None
-    outer = _only_reader(half.outputs[0], "Mul")
+    outer = only_reader(half.outputs[0], "Mul")
     if outer is None or _other(outer, half.outputs[0]) is not x:
         return None
     return x, half, outer, add.outputs[0], constant

@@ -33,12 +33,11 @@ def _axes(node: ir.Node) -> list[int] | None:
 
 def _is_spatial_mean(node: ir.Node) -> bool:
     x = node.inputs[0] if node.inputs else None
-    reads = x.producer() if x is not None else None
-    if reads is None or reads.op_type != "DequantizeLinear" or not is_default(reads):
+    if x is None or (reads := x.producer()) is None or reads.op_type != "DequantizeLinear" or not is_default(reads):
         # only between pairs does ORT gain (QLinearGlobalAveragePool); a float mean of a rank-3
         # tensor is a norm's statistic (Llama's RMSNorm), which ORT fuses only as a ReduceMean
         return False
-    if x is None or x.shape is None or len(x.shape) < 3 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
+    if x.shape is None or len(x.shape) < 3 or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16,
                                                                             ir.DataType.DOUBLE, ir.DataType.BFLOAT16):
         return False
     keepdims = node.attributes.get("keepdims")

@@ -13,15 +13,15 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from ._ir import is_default, nodes, on_proto
+from ._ir import is_default, nodes, on_proto, only_reader
 
 
 def _reciprocal_of_sqrt(value: ir.Value | None) -> ir.Node | None:
-    """The Reciprocal producing ``value`` from a Sqrt, when nothing else reads it."""
+    """The Reciprocal producing ``value`` from a Sqrt, when only a Mul reads it."""
     reciprocal = value.producer() if value is not None else None
     if reciprocal is None or reciprocal.op_type != "Reciprocal" or not is_default(reciprocal):
         return None
-    if len(list(value.uses())) != 1 or value.is_graph_output():
+    if only_reader(value, "Mul") is None:
         return None
     root = reciprocal.inputs[0].producer() if reciprocal.inputs and reciprocal.inputs[0] is not None else None
     return reciprocal if root is not None and root.op_type == "Sqrt" and is_default(root) else None

@@ -16,10 +16,10 @@ from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.gelu_order import GeluOrderPass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
-from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.lower_opset import LowerOpsetPass
 from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
+from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
 from ..pipeline import Pipeline, Step
 from .checks import (
@@ -182,8 +182,9 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
     ]
     if activation_dtype == "uint8":
         steps.append(Step("move activations to uint8", ActivationsToUint8Pass(), "identical outputs"))
-    # Last: ORT's unoptimised run of a global pool or a clipped window sums in another order (one
-    # ulp apart; its optimised run and torch agree with the original), and identical-outputs proofs
+    # Last: ORT's unoptimised run of a global pool or a clipped window sums in another order, and a
+    # quotient rounds once where the product of a reciprocal rounded twice (one ulp apart; its
+    # optimised run and torch agree with the original), and identical-outputs proofs
     # compare with the graph as produced, so no such proof may follow a step that can move a last bit.
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), "checker"))
     steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), "checker"))

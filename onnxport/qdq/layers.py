@@ -308,20 +308,12 @@ def _torch_anchors(model: Any) -> list[_TorchAnchor]:
 
 def _zero_pad(node: Any) -> tuple[int, ...] | None:
     """The amounts of a constant zero pad (``F.pad(x, pad)``, ``aten.constant_pad_nd``), else None."""
-    import torch
+    from ..quantize.annotate import PAD_OPS, is_zero_padding
 
-    aten = torch.ops.aten
-    if getattr(node, "op", None) != "call_function" or node.target not in (aten.pad.default, aten.constant_pad_nd.default):
+    if getattr(node, "op", None) != "call_function" or node.target not in PAD_OPS or not is_zero_padding(node):
         return None
-    if node.target == aten.pad.default:
-        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
-        value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
-    else:
-        mode, value = "constant", node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
     amounts = node.args[1]
-    if mode != "constant" or value not in (None, 0, 0.0) or not all(isinstance(a, int) and a >= 0 for a in amounts):
-        return None
-    return tuple(amounts)
+    return tuple(amounts) if all(isinstance(a, int) and a >= 0 for a in amounts) else None
 
 
 def _unpadded_shape(shape: tuple[int, ...], pad: tuple[int, ...] | None) -> tuple[int, ...] | None:

@@ -178,11 +178,10 @@ def _non_negative(node: Node) -> bool:
 def _value_source(node: Node) -> Node:
     """The node that decides ``node``'s sign: back through zero pads and the sharing ops (shapes,
     pools, means, identities), none of which can make a non-negative tensor negative."""
-    seen = 0
-    while isinstance(node, Node) and node.op == "call_function" and node.args and seen < 64 and (
+    while isinstance(node, Node) and node.op == "call_function" and node.args and (
             (node.target in SHARING_OPS and not _non_negative(node))
-            or (node.target in PAD_OPS and _zero_padding(node))):
-        node, seen = node.args[0], seen + 1
+            or (node.target in PAD_OPS and is_zero_padding(node))):
+        node = node.args[0]
     return node
 
 
@@ -328,7 +327,8 @@ def _cat(node: Node, ctx: AnnotationContext) -> None:
     _annotate(node, inputs, shared)
 
 
-def _zero_padding(node: Node) -> bool:
+def is_zero_padding(node: Node) -> bool:
+    """A ``F.pad``/``constant_pad_nd`` node (of ``PAD_OPS``) that fills with zeros."""
     if node.target == aten.constant_pad_nd.default:
         value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
         return not value
@@ -340,7 +340,7 @@ def _zero_padding(node: Node) -> bool:
 @annotates(*SHARING_OPS, *PAD_OPS)
 def _sharing(node: Node, ctx: AnnotationContext) -> None:
     x = node.args[0]
-    if not is_float_tensor(x) or (node.target in PAD_OPS and not _zero_padding(node)):
+    if not is_float_tensor(x) or (node.target in PAD_OPS and not is_zero_padding(node)):
         return
     producer = annotation_of(x)
     # Only continue a quantized tensor: a reshape of a float tensor needs no pair of its own.
