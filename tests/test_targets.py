@@ -106,6 +106,7 @@ class _NormReluBlock(torch.nn.Module):
 
 
 def test_onnxruntime_preset_gives_a_float_producers_relu_an_unsigned_range(tmp_path):
+    torch.manual_seed(0)
     model = _NormReluBlock().eval()
     calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
     quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
@@ -121,6 +122,44 @@ def test_onnxruntime_preset_gives_a_float_producers_relu_an_unsigned_range(tmp_p
     assert not check_target(path, "onnxruntime")
     assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
 
+
+class _DenseBlock(torch.nn.Module):
+    """DenseNet's pattern: a ReLU'd stem, pooled, concatenated with a conv output that has no
+    ReLU (signed), then a norm and ReLU before the next conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.grow = torch.nn.Conv2d(8, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(12)
+        self.conv = torch.nn.Conv2d(12, 6, 1)
+
+    def forward(self, x):
+        stem = torch.nn.functional.max_pool2d(torch.relu(self.stem(x)), 2)
+        features = torch.cat([stem, self.grow(stem)], 1)  # the unsigned input first
+        return self.conv(torch.relu(self.norm(features)))
+
+
+def test_onnxruntime_preset_keeps_a_relus_range_unsigned_when_it_meets_a_signed_tensor_in_a_concat(tmp_path):
+    torch.manual_seed(0)
+    model = _DenseBlock().eval()
+    calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    # one observer for the Concat and its inputs gave the stem's ReLU a range below 0 (a uint8
+    # zero-point of 121 on timm's DenseNet-121), which the export refused
+    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    assert not check_target(path, "onnxruntime")
+    graph = onnx.load(path).graph
+    consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    made_by = {o: n for n in graph.node for o in n.output}
+    concat = next(n for n in graph.node if n.op_type == "Concat")
+    readers = [made_by[i] for i in concat.input]
+    assert all(r.op_type == "DequantizeLinear" for r in readers)
+    # each input keeps its producer's parameters: the ReLU's unsigned ones and the conv's signed ones
+    assert sorted(int(consts[r.input[2]]) for r in readers) == [0, 128]
+    ops = ort_optimised_ops(path)
+    assert ops["QLinearConcat"] == 1 and ops["QLinearConv"] == 3 and not ops["Relu"]
+    assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
 
 class _Conv1D(torch.nn.Module):
     """transformers' GPT-2 projection: ``addmm(bias, x, w)`` with ``w`` stored (in, out)."""

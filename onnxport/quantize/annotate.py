@@ -320,11 +320,27 @@ def _cat(node: Node, ctx: AnnotationContext) -> None:
     tensors = [t for t in node.args[0] if is_float_tensor(t)]
     if not tensors or len(tensors) != len(node.args[0]):
         return
+    if ctx.post_relu is not None and len({_unsigned(t, ctx) for t in tensors}) > 1:
+        # One observer for a ReLU output and a signed tensor would give the ReLU's pair a range
+        # below 0, and ONNX Runtime would keep the ReLU, and the conv before it, in float
+        # (DenseNet's stem ReLU meets its dense layers' conv outputs). Each input keeps its
+        # producer's pair; the Concat requantizes them into a range of its own, as ORT's
+        # QLinearConcat does with inputs of different scales.
+        inputs = {t: input_spec(t, ctx) for t in tensors}
+        _annotate(node, inputs, ctx.activation)
+        return
     first = tensors[0]
     shared = SharedQuantizationSpec((first, node))
-    inputs: dict[Node, object] = {first: input_spec(first, ctx)}
+    inputs = {first: input_spec(first, ctx)}
     inputs.update({t: shared for t in tensors[1:] if t is not first})
     _annotate(node, inputs, shared)
+
+
+def _unsigned(arg: Node, ctx: AnnotationContext) -> bool:
+    """Whether ``arg`` is quantized on the unsigned range ``ctx.post_relu`` (a ReLU's, a sigmoid's)."""
+    source = _value_source(arg)
+    annotation = annotation_of(source)
+    return _non_negative(source) or (annotation is not None and annotation.output_qspec is ctx.post_relu)
 
 
 def is_zero_padding(node: Node) -> bool:
