@@ -420,6 +420,40 @@ def test_the_exporters_gelu_is_reordered_for_ort_fusion_in_bodies_too():
     assert _apply(GeluOrderPass(), other)[1] is False
 
 
+def test_a_gelu_that_reads_a_dequantize_becomes_orts_gelu_in_bodies_too():
+    from onnxport.passes.contrib_gelu import DequantizedGeluPass
+
+    def body(p):  # a pair, then the ordered GELU of its output; a second GELU of the float x stays
+        def gelu(x, q):
+            return [helper.make_node("Div", [x, "sqrt2"], [f"{q}_d"]), helper.make_node("Erf", [f"{q}_d"], [f"{q}_e"]),
+                    helper.make_node("Add", [f"{q}_e", "one"], [f"{q}_a"]),
+                    helper.make_node("Mul", [x, f"{q}_a"], [f"{q}_m"]),
+                    helper.make_node("Mul", [f"{q}_m", "half"], [f"{q}_g"])]
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
+                *gelu(f"{p}_xd", f"{p}_dq"), *gelu("x", f"{p}_float"),
+                helper.make_node("Add", [f"{p}_dq_g", f"{p}_float_g"], ["same"])]
+
+    inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5)),
+             _c("s", np.float32(0.02)), _c("zp", np.uint8(128))]
+    model = _if_model(body, inits, [2, 64], [2, 64])
+    assert _ort_optimised_ops(model).count("Erf") == 2  # the GELU after the pair is not fused by ORT
+    fused, first, second = _apply(DequantizedGeluPass(), model)
+    assert (first, second) == (True, False)
+    ops = [n.op_type for n in _body_nodes(fused)]
+    assert ops.count("Gelu") == 2 and ops.count("Erf") == 2  # one per branch; the float GELUs stay standard
+    assert {(n.domain, n.input[0]) for n in _body_nodes(fused) if n.op_type == "Gelu"} == {
+        ("com.microsoft", "then_xd"), ("com.microsoft", "else_xd")}
+    assert {o.domain: o.version for o in fused.opset_import}["com.microsoft"] == 1
+    assert "Erf" not in _ort_optimised_ops(fused)
+    onnx.checker.check_model(fused, full_check=True)
+    x = RNG.standard_normal((2, 64)).astype(np.float32) * 2
+    for flag in (True, False):  # the same erf GELU, possibly a last bit apart
+        feeds = {"x": x, "flag": np.array(flag)}
+        np.testing.assert_allclose(run(fused, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0],
+                                   rtol=1e-6, atol=1e-6)
+
+
 def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
     """The op types of ONNX Runtime's optimised graph, bodies included."""
     import tempfile

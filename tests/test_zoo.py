@@ -27,20 +27,15 @@ def _openvino(path, x: np.ndarray) -> np.ndarray:
 
 
 def _assert_fusable(path) -> None:
-    """The exporter's GELU (erf form) and rsqrt reach ONNX Runtime in the orders it fuses
-    (Gelu/BiasGelu, SimplifiedLayerNormalization): none of their float pieces is left, except a
-    GELU that reads a DequantizeLinear (Whisper's conv stem), whose input ORT gives each reader
-    its own copy of, so that no fusion sees one x."""
-    import onnx
-
+    """The exporter's GELU (erf form) and rsqrt reach ONNX Runtime in forms it runs fused
+    (Gelu/BiasGelu, SimplifiedLayerNormalization): none of their float pieces is left. A GELU
+    that reads a DequantizeLinear (Whisper's conv stem) is written as ORT's own Gelu in an
+    'onnxruntime' file, since ORT gives each reader of that input its own copy and no fusion
+    would see one x."""
     from onnxport.qdq.stats import ort_optimised_ops
 
-    graph = onnx.load(str(path), load_external_data=False).graph
-    made_by = {o: n for n in graph.node for o in n.output}
-    after_pair = sum(1 for n in graph.node if n.op_type == "Erf" and made_by[n.input[0]].op_type == "Div"
-                     and getattr(made_by.get(made_by[n.input[0]].input[0]), "op_type", None) == "DequantizeLinear")
     ops = ort_optimised_ops(path)
-    assert ops["Erf"] <= after_pair and not ops["Reciprocal"], dict(ops)
+    assert not ops["Erf"] and not ops["Reciprocal"], dict(ops)
 
 
 @pytest.mark.parametrize("name", list(ZOO))

@@ -41,6 +41,20 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def is_scalar(value: ir.Value | None, expected: float, tolerance: float = 0.0) -> bool:
+    """Whether ``value`` is a one-element constant within ``tolerance`` of ``expected``."""
+    values = const_array(value)
+    return values is not None and values.size == 1 and abs(float(values.reshape(())) - expected) <= tolerance
+
+
+def other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The input of a two-input node that is not ``value`` (None when ``value`` is neither)."""
+    if len(node.inputs) != 2:
+        return None
+    first, second = node.inputs
+    return second if first is value else first if second is value else None
+
+
 def constant_shape(value: ir.Value | None) -> list[int] | None:
     """Dims of the constant a value comes from through Q/DQ/Cast/Identity (data not loaded)."""
     seen: set[int] = set()

@@ -16,37 +16,24 @@ import math
 import onnx
 import onnx_ir as ir
 
-from ._ir import const_array, is_default, nodes, on_proto, only_reader
-
-
-def _scalar(value: ir.Value | None, expected: float, tolerance: float = 0.0) -> bool:
-    values = const_array(value)
-    return values is not None and values.size == 1 and abs(float(values.reshape(())) - expected) <= tolerance
-
-
-def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
-    """The input of a two-input node that is not ``value``."""
-    if len(node.inputs) != 2:
-        return None
-    first, second = node.inputs
-    return second if first is value else first if second is value else None
+from ._ir import is_default, is_scalar, nodes, on_proto, only_reader, other_input
 
 
 def _match(div: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node, ir.Value, ir.Value] | None:
     """For ``x / √2`` starting the exporter's GELU: (x, half, outer, add_out, half_constant)."""
-    if len(div.inputs) != 2 or not _scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
+    if len(div.inputs) != 2 or not is_scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
         return None
     x = div.inputs[0]
     erf = only_reader(div.outputs[0], "Erf")
     add = erf and only_reader(erf.outputs[0], "Add")
-    if add is None or not _scalar(_other(add, erf.outputs[0]), 1.0):
+    if add is None or not is_scalar(other_input(add, erf.outputs[0]), 1.0):
         return None
     half = only_reader(add.outputs[0], "Mul")
-    constant = half and _other(half, add.outputs[0])
-    if constant is None or not _scalar(constant, 0.5):
+    constant = half and other_input(half, add.outputs[0])
+    if constant is None or not is_scalar(constant, 0.5):
         return None
     outer = only_reader(half.outputs[0], "Mul")
-    if outer is None or _other(outer, half.outputs[0]) is not x:
+    if outer is None or other_input(outer, half.outputs[0]) is not x:
         return None
     return x, half, outer, add.outputs[0], constant
 

@@ -11,6 +11,7 @@ from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
+from ..passes.contrib_gelu import DequantizedGeluPass
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
@@ -101,6 +102,9 @@ def export_qdq(
             one: ``Quantizer.quantize(..., dynamic_batch=True)``, the default).
         input_names, output_names: graph input/output names (defaults as ``export_onnx``).
 
+    A file for the ``'onnxruntime'`` target writes a GELU whose input is a DequantizeLinear as
+    ORT's ``com.microsoft.Gelu`` (ORT cannot fuse it there itself); every other node is standard.
+
     Every promise is checked on the produced graph: standard Q/DQ operators only, the model's
     exact scales, zero-points, types and axes, the declared opset, ``kernel_shape`` on every
     Conv, the recorded placement, the recorded target's rules (``check_target``), and a run in
@@ -159,7 +163,7 @@ def export_qdq(
             ).model
         pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
-        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype))
+        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, record.contrib_gelu))
         bar.update()
         pipeline.write(graph, staged)
         bar.update()
@@ -169,8 +173,9 @@ def export_qdq(
     return target
 
 
-def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
-    """The graph steps of :func:`export_qdq`, in order, each with its proof."""
+def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = False) -> list[Step]:
+    """The graph steps of :func:`export_qdq`, in order, each with its proof (``contrib_gelu``: the
+    target's :attr:`~onnxport.qdq.targets.Target.contrib_gelu`)."""
     steps = [
         Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), "identical outputs"),
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
@@ -189,6 +194,9 @@ def qdq_steps(opset_version: int, activation_dtype: str) -> list[Step]:
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), "checker"))
     steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), "checker"))
     steps.append(Step("clip pool windows to their input", PoolWindowPass(), "checker"))
+    if contrib_gelu:
+        # the fused kernel may round a last bit unlike the five ops: the checker is its proof
+        steps.append(Step("write dequantized GELUs as ORT's Gelu", DequantizedGeluPass(), "checker"))
     return steps
 
 

@@ -50,6 +50,8 @@ class Target:
             output that nothing reads quantized (the logits, GELU's input) unquantized.
         elementwise_on_quantized: the consumer runs an Add/Mul in INT8 only between pairs on
             both inputs, so ``Quantizer`` quantizes one only when both operands already are.
+        contrib_gelu: the consumer is ONNX Runtime, which cannot fuse a GELU whose input is a
+            DequantizeLinear: ``export_qdq`` writes that GELU as ORT's ``com.microsoft.Gelu``.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Target:
     int8_attention: bool = False
     float_linear_outputs: bool = False
     elementwise_on_quantized: bool = False
+    contrib_gelu: bool = False
     #: the hint a rule broken on activation types gives.
     activation_hint: str = ""
 
@@ -95,7 +98,7 @@ REGISTRY: dict[str, Target] = {
     "onnxruntime": Target(
         "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
         activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True, int8_sigmoid=True,
-        int8_attention=True, float_linear_outputs=True, elementwise_on_quantized=True,
+        int8_attention=True, float_linear_outputs=True, elementwise_on_quantized=True, contrib_gelu=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
     "qnn": Target(
