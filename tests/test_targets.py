@@ -161,6 +161,41 @@ def test_onnxruntime_preset_keeps_a_relus_range_unsigned_when_it_meets_a_signed_
     assert ops["QLinearConcat"] == 1 and ops["QLinearConv"] == 3 and not ops["Relu"]
     assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
 
+class _GatedRelu(torch.nn.Module):
+    """ReXNet's pattern: a squeeze-excite product, then ReLU6; and a ReLU after a max-pool of a
+    conv output that no ReLU follows directly (signed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.gate = torch.nn.Conv2d(8, 8, 1)
+        self.mid = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.out = torch.nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        gated = torch.nn.functional.relu6(y * torch.sigmoid(self.gate(y.mean((2, 3), keepdim=True))))
+        pooled = torch.relu(torch.nn.functional.max_pool2d(self.mid(gated), 2))
+        return self.out(torch.cat([pooled, torch.nn.functional.max_pool2d(gated, 2)], 1))
+
+
+def test_onnxruntime_preset_gives_a_relu_after_a_product_or_a_pool_an_unsigned_range(tmp_path):
+    torch.manual_seed(0)
+    model = _GatedRelu().eval()
+    calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    # both ReLUs shared the signed pair of what they read (zero-point 128), which the export refused
+    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    assert not check_target(path, "onnxruntime")
+    graph = onnx.load(path).graph
+    made_by = {o: n for n in graph.node for o in n.output}
+    clip = next(n for n in graph.node if n.op_type == "Clip")
+    assert made_by[clip.input[0]].op_type == "Mul"  # the ReLU6 is the product's epilogue: no pair between
+    ops = ort_optimised_ops(path)
+    assert not ops["Relu"] and not ops["Clip"] and ops["QLinearMul"] == 1 and ops["QLinearConv"] == 4, dict(ops)
+    assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
+
+
 class _Conv1D(torch.nn.Module):
     """transformers' GPT-2 projection: ``addmm(bias, x, w)`` with ``w`` stored (in, out)."""
 

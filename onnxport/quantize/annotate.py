@@ -78,7 +78,7 @@ CONV_OPS = (
 CONV_TRANSPOSE_OPS = (
     aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
 )
-RELU_OPS = (aten.relu.default, aten.relu_.default, aten.hardtanh.default, aten.hardtanh_.default)
+RELU_OPS = (aten.relu.default, aten.relu_.default, aten.relu6.default, aten.hardtanh.default, aten.hardtanh_.default)
 BATCH_NORM_OPS = (aten.batch_norm.default, aten._native_batch_norm_legit.default,
                   aten._native_batch_norm_legit_no_training.default)
 ADD_OPS = (aten.add.Tensor, aten.add_.Tensor)
@@ -167,7 +167,7 @@ def epilogue(node: Node, is_qat: bool) -> list[Node]:
 
 def _non_negative(node: Node) -> bool:
     """A ReLU, or a hardtanh/clamp whose lower bound is at least 0 (ReLU6)."""
-    if node.target in (aten.relu.default, aten.relu_.default):
+    if node.target in (aten.relu.default, aten.relu_.default, aten.relu6.default):
         return True
     if node.target in (aten.hardtanh.default, aten.hardtanh_.default):
         low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
@@ -300,10 +300,9 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
         return
     if ctx.elementwise_on_quantized and node.target not in _PRODUCTS and not _reads_quantized_operands(node):
         return
-    if node.target in ADD_OPS:
-        _annotate_with_epilogue(node, inputs, ctx)
-    else:
-        _annotate(node, inputs, ctx.activation)
+    # a ReLU after the product or sum is folded into its output pair, as after a conv (ReXNet's
+    # ReLU6 after its squeeze-excite product)
+    _annotate_with_epilogue(node, inputs, ctx)
 
 
 @annotates(aten.sigmoid.default)
@@ -361,6 +360,11 @@ def _sharing(node: Node, ctx: AnnotationContext) -> None:
     producer = annotation_of(x)
     # Only continue a quantized tensor: a reshape of a float tensor needs no pair of its own.
     if producer is None or producer.output_qspec is None:
+        return
+    if ctx.post_relu is not None and _non_negative(node) and not _unsigned(x, ctx):
+        # a ReLU no producer's epilogue took, after a signed pair (a pool's, a concat's): its own
+        # unsigned pair, or ONNX Runtime keeps the ReLU in float before a range below 0
+        _annotate(node, {x: SharedQuantizationSpec(x)}, ctx.post_relu)
         return
     _annotate(node, {x: SharedQuantizationSpec(x)}, SharedQuantizationSpec(x))
 
