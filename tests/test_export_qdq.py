@@ -250,3 +250,34 @@ def test_a_wide_head_past_the_exporters_folding_limit_is_exported_with_stored_pa
     assert all(made_by.get(i) != "Cast" for n in graph.node if n.op_type == "DequantizeLinear" for i in n.input[1:])
     assert qdq_stats(path).n_per_channel == 2
     assert compare_qdq(quantized, path, torch.randn(3, 4, 32)).outputs[0].cosine_similarity > 0.9999
+
+
+class _EfficientChannelAttention(nn.Module):
+    """ECA (timm's ecaresnet): a Conv1d(1, 1, k) across the pooled channels gates the conv output;
+    its weight is quantized per channel with a single channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.eca = nn.Conv1d(1, 1, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        y = self.conv(x)
+        gate = torch.sigmoid(self.eca(y.mean((2, 3)).unsqueeze(1))).transpose(1, 2).unsqueeze(-1)
+        return y * gate
+
+
+@pytest.mark.parametrize("target", [None, "onnxruntime"])
+def test_a_single_channel_per_channel_weight_is_carried_and_checked(tmp_path, target):
+    # its one-element per-axis DequantizeLinear was not counted as per-channel in the file, so the
+    # faithfulness check refused every model with ECA (8 of ecaresnet26t's 72 weights "missing")
+    torch.manual_seed(0)
+    model = _EfficientChannelAttention().eval()
+    quantized = Quantizer(target=target).quantize(model, [torch.randn(4, 3, 8, 8) for _ in range(2)])
+    path = export_qdq(quantized, torch.randn(2, 3, 8, 8), tmp_path / "eca.onnx", dynamic_batch=True)
+    graph = onnx.load(str(path)).graph
+    weights = {i.name: i for i in graph.initializer}
+    one = [n for n in graph.node if n.op_type == "DequantizeLinear" and list(weights[n.input[1]].dims) == [1]
+           if n.input[1] in weights]
+    assert len(one) == 1 and onnx.numpy_helper.to_array(weights[one[0].input[0]]).shape == (1, 1, 3)
+    assert compare_qdq(quantized, path, torch.randn(4, 3, 8, 8)).outputs[0].cosine_similarity > 0.999

@@ -62,12 +62,15 @@ def file_qparams(model: onnx.ModelProto) -> tuple[set[QParams], set[QParams]]:
     for q in qdq_nodes(model):
         if q.scale is None or q.zero_point is None:
             continue
-        scale = q.scale_values().astype(np.float32).reshape(-1)
+        values = q.scale_values()
+        scale = values.astype(np.float32).reshape(-1)
         zp = q.zero_point_values().reshape(-1)
         if q.op_type == "QuantizeLinear" and scale.size == 1:
             activations.add(("per_tensor", float(scale[0]), int(zp[0]), q.zero_point.data_type))
-        elif q.op_type == "DequantizeLinear" and scale.size > 1:
-            weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), q.axis, q.zero_point.data_type))
+        elif q.op_type == "DequantizeLinear" and values.ndim == 1:
+            # a 1-D scale is per-axis even with one element (ECA's Conv1d(1, 1, k) weight)
+            axis = q.attributes.get("axis", 1)
+            weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), axis, q.zero_point.data_type))
     return activations, weights
 
 
