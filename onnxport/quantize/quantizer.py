@@ -19,6 +19,7 @@ from ..qdq.targets import TARGETS, target_record
 from .annotate import AnnotationContext, annotate_graph
 from .calibration import read_calibration
 from .decompose import split_attention, split_silu
+from .fold import fold_channel_scales
 from .observers import OBSERVERS, activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
@@ -72,6 +73,8 @@ class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
         self.conv_add_edges: tuple[int, int] | None = None
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        if not self.ctx.is_qat:  # QAT trains the scale and the weights apart: leave them apart
+            model = fold_channel_scales(model)
         if self.ctx.int8_sigmoid:
             model = split_silu(model)
         if self.ctx.int8_attention:
