@@ -8,7 +8,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxport import Quantizer, check_target, compare_qdq, export_qdq, qdq_report, quant_spec, verify_qdq
+from onnxport import (
+    Quantizer,
+    check_target,
+    compare_layers,
+    compare_qdq,
+    export_qdq,
+    qdq_report,
+    quant_spec,
+    verify_qdq,
+)
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.qdq.stats import ort_int8_counts, ort_optimised_ops
 from tests.conftest import listing
@@ -194,6 +203,45 @@ def test_onnxruntime_preset_gives_a_relu_after_a_product_or_a_pool_an_unsigned_r
     ops = ort_optimised_ops(path)
     assert not ops["Relu"] and not ops["Clip"] and ops["QLinearMul"] == 1 and ops["QLinearConv"] == 4, dict(ops)
     assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
+
+
+class _PiecesAndUpsampling(torch.nn.Module):
+    """Res2Net's channel split, a slice, and HRNet's nearest upsampling, each added to a conv output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.part = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.mix = torch.nn.Conv2d(8, 8, 1)
+        self.down = torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        first, second = torch.split(self.conv(x), 4, 1)
+        y = torch.cat([first, self.part(first) + second], 1)
+        y = self.mix(y) + torch.cat([y[:, 4:], y[:, :4]], 1)  # the channels rolled by two slices
+        return torch.nn.functional.interpolate(self.down(y), scale_factor=2, mode="nearest") + y
+
+
+def test_pieces_slices_and_nearest_upsampling_keep_their_inputs_pair_and_the_adds_run_in_int8(tmp_path):
+    torch.manual_seed(0)
+    model = _PiecesAndUpsampling().eval()
+    calibration = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    ops = ort_optimised_ops(path)
+    # the pieces were float, so each Add beside them ran in float between a DQ and a Q
+    assert ops["QLinearAdd"] == 3 and not ops["Add"] and ops["QLinearConv"] == 4, dict(ops)
+    graph = onnx.load(path).graph
+    made_by = {o: n for n in graph.node for o in n.output}
+    scales = {t.name: float(numpy_helper.to_array(t)) for t in graph.initializer if not t.dims}
+    moved = [n for n in graph.node if n.op_type in ("Split", "Slice", "Resize")]
+    assert len(moved) == 4
+    for node in moved:  # each reads and writes one pair: no requantization around data movement
+        pair = {scales[made_by[node.input[0]].input[1]]}
+        pair |= {scales[q.input[1]] for q in graph.node if q.op_type == "QuantizeLinear" and q.input[0] in node.output}
+        assert len(pair) == 1, node.op_type
+    assert compare_layers(quantized, path, torch.randn(2, 3, 8, 8)).first_divergence is None
+    assert compare_qdq(quantized, path, torch.randn(8, 3, 8, 8)).outputs[0].cosine_similarity >= 0.999
 
 
 class _Conv1D(torch.nn.Module):

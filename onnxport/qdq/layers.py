@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,17 +375,23 @@ def _same_qparams(scale: float, zero_point: int, dtype: int, t: _TorchAnchor) ->
 
 
 def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
-           file_shapes: dict[str, tuple], torch_shapes: dict[str, set]) -> dict[int, _TorchAnchor | None]:
+           file_shapes: dict[str, tuple], torch_shapes: dict[str, set],
+           distance: Callable[[_FileAnchor, _TorchAnchor], float] | None = None) -> dict[int, _TorchAnchor | None]:
     """File anchor index → model anchor: same scale, zero-point (up to the uint8 move) and shape
     (``torch_shapes`` holds each model anchor's shape, and its unpadded one when it reads a zero
-    pad), earliest first; then, for those left, the same shape at the nearest relative position."""
+    pad), earliest first; then, for those left, the same shape at the nearest relative position.
+    Where several model anchors tie (pieces of one tensor share its pair: two slices of a
+    concat, a split), ``distance`` between the file's and the model's values decides."""
     free = list(torch_anchors)
     matched: dict[int, _TorchAnchor | None] = {}
 
     for f in file_anchors:
         shape = file_shapes.get(f.q_node.output[0])
-        pick = next((t for t in free if _same_qparams(f.scale, f.zero_point, f.dtype, t)
-                     and shape in torch_shapes.get(t.node.name, ())), None)
+        tied = [t for t in free if _same_qparams(f.scale, f.zero_point, f.dtype, t)
+                and shape in torch_shapes.get(t.node.name, ())]
+        pick = tied[0] if tied else None
+        if len(tied) > 1 and distance is not None:
+            pick = min(tied, key=lambda t: distance(f, t))  # min keeps the earliest of equals
         if pick is not None:
             free.remove(pick)
         matched[f.index] = pick
@@ -463,7 +470,16 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
     file_shapes = {a.q_node.output[0]: tuple(np.shape(got[0][a.q_node.output[0]])[1:]) for a in file_anchors}
     full = {t.node.name: tuple(np.shape(ref[0][t.node.name][1])[1:]) for t in torch_anchors}
     torch_shapes = {t.node.name: {full[t.node.name], _unpadded_shape(full[t.node.name], t.pad)} for t in torch_anchors}
-    matched = _match(file_anchors, torch_anchors, file_shapes, torch_shapes)
+    def distance(f: _FileAnchor, t: _TorchAnchor) -> float:
+        """Mean distance in steps between the file's and the model's integers (first batch)."""
+        mine, theirs = np.asarray(got[0][f.q_node.output[0]]), np.asarray(ref[0][t.node.name][1])
+        if mine.shape != theirs.shape and t.pad:  # the file quantizes the region a zero pad surrounds
+            theirs = _unpad(theirs, t.pad)
+        if mine.shape != theirs.shape:
+            return float("inf")
+        return float(np.mean(np.abs((mine.astype(np.int64) - f.zero_point) - (theirs.astype(np.int64) - t.zero_point))))
+
+    matched = _match(file_anchors, torch_anchors, file_shapes, torch_shapes, distance)
     for f in file_anchors:  # a file that moved a zero pad into its Conv quantizes the unpadded tensor
         t = matched[f.index]
         if t is not None and file_shapes[f.q_node.output[0]] != full[t.node.name]:

@@ -7,6 +7,7 @@ activation and weight specs) and writes ``QuantizationAnnotation``s on the graph
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,8 +96,15 @@ SHARING_OPS = (
     aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
     aten.alpha_dropout.default, aten.alpha_dropout_.default, aten.clone.default, aten.contiguous.default,
     aten.alias.default,
+    # data movement: a slice, a row, or a nearest-neighbour upsampling holds only values of its
+    # input (ONNX Runtime runs Slice and Resize on the integers between equal pairs)
+    aten.slice.Tensor, aten.select.int, aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec,
+    aten.upsample_nearest3d.vec, aten.upsample_nearest1d.default, aten.upsample_nearest2d.default,
+    aten.upsample_nearest3d.default,
     *RELU_OPS,
 )
+#: Operators that return their input's values in pieces (read through ``getitem``).
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 #: Zero padding: 0 is exactly representable in every pt2e range (its zero-point), so the padded
 #: tensor keeps its input's parameters; another fill value would need its own.
 PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
@@ -369,6 +377,20 @@ def _sharing(node: Node, ctx: AnnotationContext) -> None:
     _annotate(node, {x: SharedQuantizationSpec(x)}, SharedQuantizationSpec(x))
 
 
+@annotates(*SPLIT_OPS)
+def _split(node: Node, ctx: AnnotationContext) -> None:
+    x = node.args[0]
+    producer = annotation_of(x) if is_float_tensor(x) else None
+    if producer is None or producer.output_qspec is None:
+        return
+    # every piece keeps the whole's parameters (Res2Net's and CSPNet's channel splits), so that an
+    # Add of a piece and a conv output runs in INT8 and ORT splits the integers
+    _annotate(node, {x: SharedQuantizationSpec(x)})
+    for piece in node.users:
+        if piece.op == "call_function" and piece.target is operator.getitem:
+            _annotate(piece, output=SharedQuantizationSpec((x, node)))
+
+
 def _attention_part(node: Node, ctx: AnnotationContext) -> bool:
     """Annotate a node of a split attention; ``False`` for a node the generic table handles.
 
@@ -409,15 +431,29 @@ def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
 _LINEAR_OPS = (aten.linear.default, aten.addmm.default)
 
 
+def _pieces(split: Node) -> list[Node]:
+    return [u for u in split.users if u.op == "call_function" and u.target is operator.getitem]
+
+
 def _read_quantized(node: Node) -> bool:
-    """Whether any reader takes ``node`` through a pair (a parameter-sharing reader: its readers)."""
+    """Whether any reader takes ``node`` through its pair. A parameter-sharing reader (a reshape,
+    a slice, a split's pieces) counts by its own readers; a reader that requantizes ``node`` into
+    another tensor's pair on entry (a Concat's later inputs) does not need ``node``'s."""
     for user in node.users:
         annotation = annotation_of(user)
         if annotation is None or node not in annotation.input_qspec_map:
             continue
+        if user.target in SPLIT_OPS:
+            if any(_read_quantized(piece) for piece in _pieces(user)):
+                return True
+            continue
         if user.target in SHARING_OPS and isinstance(annotation.output_qspec, SharedQuantizationSpec):
             if _read_quantized(user):
                 return True
+            continue
+        spec = annotation.input_qspec_map[node]
+        if isinstance(spec, SharedQuantizationSpec) and isinstance(spec.edge_or_node, tuple) \
+                and spec.edge_or_node[0] is not node:
             continue
         return True
     return False
@@ -426,9 +462,16 @@ def _read_quantized(node: Node) -> bool:
 def _clear_sharing_readers(node: Node) -> None:
     for user in node.users:
         annotation = annotation_of(user)
-        if annotation is not None and node in annotation.input_qspec_map and user.target in SHARING_OPS:
-            _clear_sharing_readers(user)
-            user.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
+        if annotation is None or node not in annotation.input_qspec_map:
+            continue
+        if user.target in SPLIT_OPS:
+            for piece in _pieces(user):
+                _clear_sharing_readers(piece)
+                piece.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
+        elif user.target not in SHARING_OPS:
+            continue
+        _clear_sharing_readers(user)
+        user.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
 
 
 def _leave_linear_outputs_float(model: GraphModule) -> None:
