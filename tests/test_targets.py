@@ -97,6 +97,32 @@ def test_onnxruntime_preset_runs_silu_and_sigmoid_gates_in_int8(tmp_path):
     assert "aten.silu.default" in [str(n.target) for n in trt.graph.nodes if n.op == "call_function"]
 
 
+class _LeakyResidual(torch.nn.Module):
+    """CSPDarknet's residual block: conv → LeakyReLU twice, added to the block's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.first = torch.nn.Conv2d(8, 8, 1)
+        self.second = torch.nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.nn.functional.leaky_relu(self.stem(x), 0.1)
+        y = torch.nn.functional.leaky_relu(self.first(x), 0.1)
+        return x + torch.nn.functional.leaky_relu(self.second(y), 0.1)
+
+
+def test_onnxruntime_preset_runs_leaky_relu_and_the_add_after_it_in_int8(tmp_path):
+    torch.manual_seed(0)
+    model = _LeakyResidual().eval()
+    calibration = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+    ours = Quantizer(target="onnxruntime").quantize(model, calibration)
+    path = export_qdq(ours, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    ops = ort_optimised_ops(path)  # unannotated, the LeakyReLUs read by the Add ran in float, and the Add
+    assert ops["QLinearLeakyRelu"] == 3 and ops["QLinearAdd"] == 1 and not ops["LeakyRelu"] and not ops["Add"], dict(ops)
+    assert compare_qdq(ours, path, torch.randn(8, 3, 8, 8)).outputs[0].cosine_similarity >= 0.999
+
+
 class _NormReluBlock(torch.nn.Module):
     """BiT's pattern: a ReLU after a GroupNorm (no conv before it to fuse with), read by a conv
     directly and through a zero pad and a max pool."""

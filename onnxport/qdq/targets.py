@@ -41,8 +41,8 @@ class Target:
         int32_bias_allowed: whether a DequantizeLinear of an int32 bias may appear.
         needs_kernel_shape: every Conv must say its ``kernel_shape``.
         relu_range_from_zero: a ReLU/Clip feeding a Q must meet a range that starts at 0.
-        int8_sigmoid: the consumer runs Sigmoid between Q/DQ pairs, so ``Quantizer`` quantizes
-            Sigmoid and SiLU (split into x·sigmoid(x)) for it.
+        int8_sigmoid: the consumer runs Sigmoid and LeakyRelu between Q/DQ pairs, so ``Quantizer``
+            quantizes LeakyReLU, Sigmoid and SiLU (split into x·sigmoid(x)) for it.
         int8_attention: the consumer runs a MatMul of two activations in INT8, so ``Quantizer``
             splits attention into its products and softmax and quantizes them.
         float_linear_outputs: the consumer runs a Gemm/MatMul of quantized inputs with a float

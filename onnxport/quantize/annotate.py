@@ -48,8 +48,9 @@ class AnnotationContext:
     is_qat: bool
     #: Activations produced by a ReLU-like epilogue use this spec (the unsigned range for ORT).
     post_relu: QuantizationSpec | None = None
-    #: The consumer runs Sigmoid between Q/DQ pairs (ORT's QLinearSigmoid): quantize its input
-    #: and output, and split SiLU into x·sigmoid(x) so that both halves run in INT8.
+    #: The consumer runs Sigmoid and LeakyReLU between Q/DQ pairs (ORT's QLinearSigmoid,
+    #: QLinearLeakyRelu): quantize their inputs and outputs, and split SiLU into x·sigmoid(x) so
+    #: that both halves run in INT8.
     int8_sigmoid: bool = False
     #: The consumer runs MatMuls of two activations in INT8: attention is split into its two
     #: products and softmax (``decompose.split_attention``) and those are quantized.
@@ -320,6 +321,16 @@ def _sigmoid(node: Node, ctx: AnnotationContext) -> None:
         return
     # (0, 1): an unsigned range starting at 0 spends no code on negatives, where the consumer has one
     _annotate(node, {x: input_spec(x, ctx)}, ctx.post_relu or ctx.activation)
+
+
+@annotates(aten.leaky_relu.default, aten.leaky_relu_.default)
+def _leaky_relu(node: Node, ctx: AnnotationContext) -> None:
+    x = node.args[0]
+    # the consumer that runs Sigmoid from a table (ORT's QLinearSigmoid) runs LeakyReLU so too
+    # (QLinearLeakyRelu); unannotated, a LeakyReLU whose reader is an Add (CSPDarknet's residual
+    # blocks) left that Add, and itself, in float between pairs
+    if ctx.int8_sigmoid and is_float_tensor(x):
+        _annotate(node, {x: input_spec(x, ctx)}, ctx.activation)
 
 
 @annotates(aten.cat.default, aten.concat.default)
