@@ -43,6 +43,8 @@ def _value(model: GraphModule, node: Any) -> Any:
 def _layer_before(node: Node) -> Node | None:
     """The conv or linear layer whose output reaches ``node`` through single-reader identities."""
     while isinstance(node, Node) and node.op == "call_function" and len(node.users) == 1:
+        if node.target == aten.convolution.default and len(node.args) > 6 and node.args[6]:
+            return None  # transposed: its weight is (in, out/groups, …), rows are not outputs
         if node.target in CONV_OPS or node.target in _LINEAR:
             return node
         if node.target not in _IDENTITIES:
