@@ -52,29 +52,27 @@ def test_per_channel_layer_scales_fold_into_the_layer_and_the_residual_add_runs_
         assert torch.nn.functional.cosine_similarity(quantized(x).flatten(), model(x).flatten(), dim=0) > 0.999
 
 
+class _ScaledLinear(torch.nn.Module):
+    """``linear(x) * gamma``; ``tied``: the weight is read a second time."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.gamma = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.tied = tied
+
+    def forward(self, x):
+        y = self.linear(x) * self.gamma
+        return y + torch.nn.functional.linear(x, self.linear.weight) if self.tied else y
+
+
 def test_a_scale_on_a_weight_that_something_else_reads_is_not_folded():
-    class Tied(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 8)
-            self.gamma = torch.nn.Parameter(torch.rand(8) + 0.5)
-
-        def forward(self, x):
-            return self.linear(x) * self.gamma + torch.nn.functional.linear(x, self.linear.weight)
-
-    quantized = Quantizer().quantize(Tied().eval(), [torch.randn(4, 8)])
+    quantized = Quantizer().quantize(_ScaledLinear(tied=True).eval(), [torch.randn(4, 8)])
     assert _muls(quantized) == 1
 
 
 def test_qat_keeps_the_scale_apart_from_the_weights_it_trains():
-    class Scaled(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear = torch.nn.Linear(8, 8)
-            self.gamma = torch.nn.Parameter(torch.rand(8) + 0.5)
-
-        def forward(self, x):
-            return self.linear(x) * self.gamma
-
-    prepared = Quantizer(method="qat").prepare(Scaled(), torch.randn(4, 8))
+    prepared = Quantizer(method="qat").prepare(_ScaledLinear(), torch.randn(4, 8))
     assert _muls(prepared) == 1
+    # the same model quantized after training does fold
+    assert _muls(Quantizer().quantize(_ScaledLinear().eval(), [torch.randn(4, 8)])) == 0

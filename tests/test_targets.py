@@ -97,6 +97,15 @@ def test_onnxruntime_preset_runs_silu_and_sigmoid_gates_in_int8(tmp_path):
     assert "aten.silu.default" in [str(n.target) for n in trt.graph.nodes if n.op == "call_function"]
 
 
+def _onnxruntime_file(build, tmp_path, shape):
+    """``build()``'s 'onnxruntime' pt2e model (seeded weights and calibration) and its file."""
+    torch.manual_seed(0)
+    model = build().eval()
+    calibration = [torch.randn(4, *shape) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    return quantized, export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+
+
 class _LeakyResidual(torch.nn.Module):
     """CSPDarknet's residual block: conv → LeakyReLU twice, added to the block's input."""
 
@@ -113,11 +122,7 @@ class _LeakyResidual(torch.nn.Module):
 
 
 def test_onnxruntime_preset_runs_leaky_relu_and_the_add_after_it_in_int8(tmp_path):
-    torch.manual_seed(0)
-    model = _LeakyResidual().eval()
-    calibration = [torch.randn(4, 3, 8, 8) for _ in range(2)]
-    ours = Quantizer(target="onnxruntime").quantize(model, calibration)
-    path = export_qdq(ours, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    ours, path = _onnxruntime_file(_LeakyResidual, tmp_path, (3, 8, 8))
     ops = ort_optimised_ops(path)  # unannotated, the LeakyReLUs read by the Add ran in float, and the Add
     assert ops["QLinearLeakyRelu"] == 3 and ops["QLinearAdd"] == 1 and not ops["LeakyRelu"] and not ops["Add"], dict(ops)
     assert compare_qdq(ours, path, torch.randn(8, 3, 8, 8)).outputs[0].cosine_similarity >= 0.999
@@ -141,13 +146,9 @@ class _NormReluBlock(torch.nn.Module):
 
 
 def test_onnxruntime_preset_gives_a_float_producers_relu_an_unsigned_range(tmp_path):
-    torch.manual_seed(0)
-    model = _NormReluBlock().eval()
-    calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
-    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
     # the export checks the target's rules: a ReLU feeding a QuantizeLinear whose range does not
     # start at 0 was refused here (ORT then keeps the ReLU in float, and the conv before it)
-    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    quantized, path = _onnxruntime_file(_NormReluBlock, tmp_path, (3, 12, 12))
     graph = onnx.load(path).graph
     made_by = {o: n for n in graph.node for o in n.output}
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
@@ -176,13 +177,9 @@ class _DenseBlock(torch.nn.Module):
 
 
 def test_onnxruntime_preset_keeps_a_relus_range_unsigned_when_it_meets_a_signed_tensor_in_a_concat(tmp_path):
-    torch.manual_seed(0)
-    model = _DenseBlock().eval()
-    calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
-    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
     # one observer for the Concat and its inputs gave the stem's ReLU a range below 0 (a uint8
     # zero-point of 121 on timm's DenseNet-121), which the export refused
-    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    quantized, path = _onnxruntime_file(_DenseBlock, tmp_path, (3, 12, 12))
     assert not check_target(path, "onnxruntime")
     graph = onnx.load(path).graph
     consts = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
@@ -195,6 +192,7 @@ def test_onnxruntime_preset_keeps_a_relus_range_unsigned_when_it_meets_a_signed_
     ops = ort_optimised_ops(path)
     assert ops["QLinearConcat"] == 1 and ops["QLinearConv"] == 3 and not ops["Relu"]
     assert compare_qdq(quantized, path, torch.randn(8, 3, 12, 12)).outputs[0].cosine_similarity >= 0.999
+
 
 class _GatedRelu(torch.nn.Module):
     """ReXNet's pattern: a squeeze-excite product, then ReLU6; and a ReLU after a max-pool of a
@@ -215,12 +213,8 @@ class _GatedRelu(torch.nn.Module):
 
 
 def test_onnxruntime_preset_gives_a_relu_after_a_product_or_a_pool_an_unsigned_range(tmp_path):
-    torch.manual_seed(0)
-    model = _GatedRelu().eval()
-    calibration = [torch.randn(4, 3, 12, 12) for _ in range(2)]
-    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
     # both ReLUs shared the signed pair of what they read (zero-point 128), which the export refused
-    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    quantized, path = _onnxruntime_file(_GatedRelu, tmp_path, (3, 12, 12))
     assert not check_target(path, "onnxruntime")
     graph = onnx.load(path).graph
     made_by = {o: n for n in graph.node for o in n.output}
@@ -249,11 +243,7 @@ class _PiecesAndUpsampling(torch.nn.Module):
 
 
 def test_pieces_slices_and_nearest_upsampling_keep_their_inputs_pair_and_the_adds_run_in_int8(tmp_path):
-    torch.manual_seed(0)
-    model = _PiecesAndUpsampling().eval()
-    calibration = [torch.randn(4, 3, 8, 8) for _ in range(2)]
-    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
-    path = export_qdq(quantized, calibration[0], tmp_path / "ort.onnx", dynamic_batch=True)
+    quantized, path = _onnxruntime_file(_PiecesAndUpsampling, tmp_path, (3, 8, 8))
     ops = ort_optimised_ops(path)
     # the pieces were float, so each Add beside them ran in float between a DQ and a Q
     assert ops["QLinearAdd"] == 3 and not ops["Add"] and ops["QLinearConv"] == 4, dict(ops)

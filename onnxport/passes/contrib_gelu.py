@@ -14,29 +14,23 @@ step's proof is the checker.
 
 from __future__ import annotations
 
-import math
-
 import onnx
 import onnx_ir as ir
 
 from ._ir import drop_unread_constants, is_default, is_scalar, nodes, on_proto, only_reader, other_input
+from .gelu_order import one_plus_erf
 
 CONTRIB_DOMAIN = "com.microsoft"
 
 
 def _ordered_gelu(div: ir.Node) -> list[ir.Node] | None:
     """The five nodes of ``(x * (1 + erf(x / √2))) * 0.5`` that start at ``div``, or None."""
-    if div.op_type != "Div" or not is_default(div) or len(div.inputs) != 2:
+    start = one_plus_erf(div)
+    if start is None:
         return None
-    if not is_scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
-        return None
-    x = div.inputs[0]
-    erf = only_reader(div.outputs[0], "Erf")
-    add = erf and only_reader(erf.outputs[0], "Add")
-    if add is None or not is_scalar(other_input(add, erf.outputs[0]), 1.0):
-        return None
+    erf, add = start
     product = only_reader(add.outputs[0], "Mul")
-    if product is None or other_input(product, add.outputs[0]) is not x:
+    if product is None or other_input(product, add.outputs[0]) is not div.inputs[0]:
         return None
     half = only_reader(product.outputs[0], "Mul")
     if half is None or not is_scalar(other_input(half, product.outputs[0]), 0.5):

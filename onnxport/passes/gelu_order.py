@@ -19,15 +19,26 @@ import onnx_ir as ir
 from ._ir import is_default, is_scalar, nodes, on_proto, only_reader, other_input
 
 
-def _match(div: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node, ir.Value, ir.Value] | None:
-    """For ``x / √2`` starting the exporter's GELU: (x, half, outer, add_out, half_constant)."""
-    if len(div.inputs) != 2 or not is_scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
+def one_plus_erf(div: ir.Node) -> tuple[ir.Node, ir.Node] | None:
+    """(Erf, Add) of ``1 + erf(x / √2)`` when ``div`` is that ``x / √2`` and each part has
+    one reader: the start every erf GELU the exporter writes shares."""
+    if div.op_type != "Div" or not is_default(div) or len(div.inputs) != 2:
         return None
-    x = div.inputs[0]
+    if not is_scalar(div.inputs[1], math.sqrt(2.0), 1e-6):
+        return None
     erf = only_reader(div.outputs[0], "Erf")
     add = erf and only_reader(erf.outputs[0], "Add")
     if add is None or not is_scalar(other_input(add, erf.outputs[0]), 1.0):
         return None
+    return erf, add
+
+
+def _match(div: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node, ir.Value, ir.Value] | None:
+    """For ``x / √2`` starting the exporter's GELU: (x, half, outer, add_out, half_constant)."""
+    start = one_plus_erf(div)
+    if start is None:
+        return None
+    x, add = div.inputs[0], start[1]
     half = only_reader(add.outputs[0], "Mul")
     constant = half and other_input(half, add.outputs[0])
     if constant is None or not is_scalar(constant, 0.5):
@@ -44,7 +55,7 @@ class GeluOrderPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         for div in list(nodes(model)):
-            if div.op_type != "Div" or not is_default(div) or div.graph is None:
+            if div.graph is None:
                 continue
             found = _match(div)
             if found is None:
