@@ -84,6 +84,12 @@ RELU_OPS = (aten.relu.default, aten.relu_.default, aten.relu6.default, aten.hard
 BATCH_NORM_OPS = (aten.batch_norm.default, aten._native_batch_norm_legit.default,
                   aten._native_batch_norm_legit_no_training.default)
 ADD_OPS = (aten.add.Tensor, aten.add_.Tensor)
+#: Identities at inference (dropout, copies).
+IDENTITY_OPS = (
+    aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
+    aten.alpha_dropout.default, aten.alpha_dropout_.default, aten.clone.default, aten.contiguous.default,
+    aten.alias.default,
+)
 #: Operators whose output takes its input's quantization parameters (no requantization).
 SHARING_OPS = (
     aten.flatten.using_ints, aten.view.default, aten.reshape.default, aten.permute.default,
@@ -94,9 +100,7 @@ SHARING_OPS = (
     aten.adaptive_avg_pool3d.default, aten.mean.dim, aten.mean.default,
     # identities at inference: with an observer of their own, the exported file would hold two
     # pairs back to back (Q·DQ·Q·DQ), which ONNX Runtime merges into one, computing something else
-    aten.dropout.default, aten.dropout_.default, aten.feature_dropout.default, aten.feature_dropout_.default,
-    aten.alpha_dropout.default, aten.alpha_dropout_.default, aten.clone.default, aten.contiguous.default,
-    aten.alias.default,
+    *IDENTITY_OPS,
     # data movement: a slice, a row, or a nearest-neighbour upsampling holds only values of its
     # input (ONNX Runtime runs Slice and Resize on the integers between equal pairs)
     aten.slice.Tensor, aten.select.int, aten.upsample_nearest1d.vec, aten.upsample_nearest2d.vec,

@@ -12,18 +12,17 @@ the quantized model is then the folded one, and the file carries exactly its par
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
-from .annotate import CONV_OPS, is_constant, mark_constants
+from .annotate import CONV_OPS, IDENTITY_OPS, is_constant, mark_constants
 
 aten = torch.ops.aten
 
 _LINEAR = (aten.linear.default,)
-#: Identities at inference between a layer and its scale (a block's dropout or drop-path).
-_IDENTITIES = (aten.dropout.default, aten.clone.default, aten.alias.default, aten.contiguous.default)
 
 
 def _value(model: GraphModule, node: Any) -> Any:
@@ -31,10 +30,7 @@ def _value(model: GraphModule, node: Any) -> Any:
     if not isinstance(node, Node):
         return node
     if node.op == "get_attr":
-        value: Any = model
-        for part in str(node.target).split("."):
-            value = getattr(value, part)
-        return value.detach()
+        return operator.attrgetter(str(node.target))(model).detach()
     args = [_value(model, a) for a in node.args]
     kwargs = {k: _value(model, v) for k, v in node.kwargs.items()}
     return node.target(*args, **kwargs)
@@ -47,7 +43,7 @@ def _layer_before(node: Node) -> Node | None:
             return None  # transposed: its weight is (in, out/groups, …), rows are not outputs
         if node.target in CONV_OPS or node.target in _LINEAR:
             return node
-        if node.target not in _IDENTITIES:
+        if node.target not in IDENTITY_OPS:  # a block's dropout or drop-path between layer and scale
             return None
         node = node.args[0]
     return None
