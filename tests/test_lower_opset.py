@@ -142,3 +142,59 @@ def test_export_onnx_of_a_model_that_splits_evenly_works_at_the_default_opset(tm
     exported = onnx.load(str(path))
     assert next(e.version for e in exported.opset_import if e.domain in ("", "ai.onnx")) == 17
     assert verify_onnx(model, path, x)
+
+
+def _col2im_graph(strides: list[int]) -> onnx.ModelProto:
+    """2 channels folded from 2x3 blocks into a 4x9 image (6 blocks when they do not overlap)."""
+    graph = helper.make_graph(
+        [helper.make_node("Col2Im", ["x", "image", "block"], ["y"], name="fold", strides=strides)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 12, None])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 4, 9])],
+        [numpy_helper.from_array(np.array([4, 9], np.int64), "image"),
+         numpy_helper.from_array(np.array([2, 3], np.int64), "block")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_col2im_of_non_overlapping_blocks_becomes_a_reshape_and_transpose():
+    import onnxruntime as ort
+
+    model = _col2im_graph([2, 3])
+    lowered = lower_opset(model, 17)
+    assert [n.op_type for n in lowered.graph.node] == ["Reshape", "Transpose", "Reshape"]
+    assert {t.name for t in lowered.graph.initializer}.isdisjoint({"image", "block"})
+    onnx.checker.check_model(lowered, full_check=True)
+    x = np.random.default_rng(0).standard_normal((3, 12, 6)).astype(np.float32)
+    runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+            for m in (model, lowered)]
+    assert runs[0].shape == (3, 2, 4, 9)
+    assert runs[0].tobytes() == runs[1].tobytes()
+
+
+def test_col2im_of_overlapping_blocks_is_refused_by_name():
+    with pytest.raises(ExportRefusedError, match="Col2Im node 'fold' folds blocks \\[2, 3\\] with strides \\[1, 1\\]"):
+        lower_opset(_col2im_graph([1, 1]), 17)
+
+
+def test_export_onnx_of_a_model_that_folds_patches_works_at_the_default_opset(tmp_path):
+    """MobileViT-style patch attention unfolds an image into patches and folds it back."""
+    import torch
+
+    from onnxport import export_onnx, verify_onnx
+
+    class Patches(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mix = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            columns = torch.nn.functional.unfold(x, kernel_size=2, stride=2)  # [N, 8, 16]
+            mixed = self.mix(columns.transpose(1, 2)).transpose(1, 2)
+            return torch.nn.functional.fold(mixed, output_size=(8, 8), kernel_size=2, stride=2)
+
+    model, x = Patches().eval(), torch.randn(2, 2, 8, 8)
+    path = export_onnx(model, x, tmp_path / "fold.onnx")
+    exported = onnx.load(str(path))
+    assert next(e.version for e in exported.opset_import if e.domain in ("", "ai.onnx")) == 17
+    assert "Col2Im" not in {n.op_type for n in exported.graph.node}
+    assert verify_onnx(model, path, torch.randn(3, 2, 8, 8))

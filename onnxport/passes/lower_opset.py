@@ -4,7 +4,9 @@
 family moved ``axes`` from an attribute to an input, and a few operators gained options. This
 pass moves constant ``axes`` back to the attribute, writes a Split's ``num_outputs`` as explicit
 sizes when the split dimension is known, accepts the other operators when they use none of the
-newer options, and refuses anything else with a message naming the node.
+newer options, writes a Col2Im that places non-overlapping blocks (``torch.nn.functional.fold``
+with ``stride == kernel_size``, as MobileViT's patch folding) as the Reshape, Transpose, Reshape
+it is, and refuses anything else with a message naming the node.
 """
 
 from __future__ import annotations
@@ -125,20 +127,59 @@ class LowerOpsetPass(ir.passes.InPlacePass):
         sizes = [chunk] * (parts - 1) + [length - chunk * (parts - 1)]
         if sizes[-1] <= 0:
             raise self.refuse(node, f"splits {length} elements into {parts} chunks, leaving an empty one")
-        name = unique_name(f"{node.name or node.outputs[0].name}_split_sizes", self.taken)
-        tensor = ir.tensor(np.array(sizes, np.int64), name=name)
-        if in_function:  # a function has no initializers
-            constant = ir.node("Constant", [], {"value": tensor}, outputs=[ir.Value(name=name)])
-            node.graph.insert_before(node, constant)
-            value = constant.outputs[0]
-        else:
-            value = ir.Value(name=name, const_value=tensor, shape=ir.Shape([len(sizes)]),
-                             type=ir.TensorType(ir.DataType.INT64))
-            node.graph.register_initializer(value)
+        value = self.int64s(node, "split_sizes", sizes, in_function)
         node.resize_inputs(1)
         node.resize_inputs(2)
         node.replace_input_with(1, value)
         node.attributes.pop("num_outputs")
+
+    def int64s(self, node: ir.Node, stem: str, values: list[int], in_function: bool) -> ir.Value:
+        """A new constant int64 vector for ``node`` to read, named after it."""
+        name = unique_name(f"{node.name or node.outputs[0].name}_{stem}", self.taken)
+        tensor = ir.tensor(np.array(values, np.int64), name=name)
+        if in_function:  # a function has no initializers
+            constant = ir.node("Constant", [], {"value": tensor}, outputs=[ir.Value(name=name)])
+            node.graph.insert_before(node, constant)
+            return constant.outputs[0]
+        value = ir.Value(name=name, const_value=tensor, shape=ir.Shape([len(values)]),
+                         type=ir.TensorType(ir.DataType.INT64))
+        node.graph.register_initializer(value)
+        return value
+
+    def col2im(self, node: ir.Node, in_function: bool) -> None:
+        """Non-overlapping blocks back in place: Col2Im as Reshape, Transpose, Reshape.
+
+        With ``strides == block_shape``, no padding and no dilation, every output pixel comes from
+        exactly one column entry, so the op only moves data: column ``c·∏k + offset`` at block
+        position ``b`` is pixel ``(c, b·k + offset)``. Overlapping blocks are sums, which this
+        lowering does not write.
+        """
+        inputs = [*node.inputs, None, None]
+        image, block = const_array(inputs[1]), const_array(inputs[2])
+        if image is None or block is None:
+            raise self.refuse(node, "takes its image or block shape from a tensor computed while the graph runs, "
+                                    "which the older opset cannot say")
+        image, block = [int(v) for v in image.reshape(-1)], [int(v) for v in block.reshape(-1)]
+        rank = len(block)
+        strides = list(_attr(node, "strides") or [1] * rank)
+        pads = list(_attr(node, "pads") or [0] * 2 * rank)
+        dilations = list(_attr(node, "dilations") or [1] * rank)
+        if strides != block or any(pads) or any(d != 1 for d in dilations) or any(
+                i % b for i, b in zip(image, block)):
+            raise self.refuse(node, f"folds blocks {block} with strides {strides}, pads {pads} and dilations "
+                                    f"{dilations} into {image}; the lowering writes only non-overlapping, unpadded "
+                                    "blocks (strides equal to the block shape) that tile the image")
+        counts = [i // b for i, b in zip(image, block)]
+        # [N, C·∏k, ∏n] → [N, C, k…, n…] → [N, C, n1, k1, n2, k2, …] → [N, C, image…]; 0 keeps N
+        first = ir.node("Reshape", [node.inputs[0], self.int64s(node, "blocks", [0, -1, *block, *counts], in_function)])
+        perm = [0, 1] + [axis for pair in zip(range(2 + rank, 2 + 2 * rank), range(2, 2 + rank)) for axis in pair]
+        moved = ir.node("Transpose", [first.outputs[0]], {"perm": perm})
+        last = ir.node("Reshape", [moved.outputs[0], self.int64s(node, "image", [0, -1, *image], in_function)])
+        for new in (first, moved, last):
+            new.name = unique_name(f"{node.name or node.outputs[0].name}_{new.op_type.lower()}", self.taken)
+        self.unread.extend(v for v in node.inputs[1:] if v is not None)
+        ir.convenience.replace_nodes_and_values(node.graph, node, [node], [first, moved, last],
+                                                [node.outputs[0]], [last.outputs[0]])
 
     def lower_node(self, node: ir.Node, in_function: bool) -> None:
         if not is_default(node):
@@ -147,6 +188,9 @@ class LowerOpsetPass(ir.passes.InPlacePass):
         if schema.since_version <= self.target:
             return
         op = node.op_type
+        if op == "Col2Im":
+            self.col2im(node, in_function)
+            return
         older = _older_schema(op, self.target)
         if older is None:
             raise self.refuse(node, f"has no definition before opset {schema.since_version}")
