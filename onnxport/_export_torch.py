@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ._torch import without_kv_cache
 from .errors import ExportRefusedError, InvalidArgumentError
 
 #: The oldest opset the dynamo exporter writes; older requests are lowered afterwards.
@@ -92,7 +93,7 @@ def torch_program(
         # SDPA output makes a later reshape a view that the ONNX decomposition then cannot apply
         # (transformers' Swin: "Cannot view a tensor …"); the ONNX translation of SDPA is the same.
         with quiet_registry(), warnings.catch_warnings(), contextlib.redirect_stdout(chatter), \
-                sdpa_kernel(SDPBackend.MATH):
+                sdpa_kernel(SDPBackend.MATH), without_kv_cache(model):
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*The axis name")

@@ -48,6 +48,20 @@ class _ByName:
         return self.model(**dict(zip(self.names, inputs)))
 
 
+class _Uncached:
+    """Calls ``model`` as it is captured: without a transformers key/value cache, whose outputs
+    (tensors in older model code) the exported graph does not have."""
+
+    def __init__(self, model: Any, call: Callable) -> None:
+        self.model, self.call = model, call
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        from ._torch import without_kv_cache
+
+        with without_kv_cache(self.model):
+            return self.call(*inputs)
+
+
 def bind_sample(model: Any, sample: Any, argument: str = "sample") -> tuple[Callable, tuple[torch.Tensor, ...], tuple[str, ...] | None]:
     """What to call, with which positional inputs, for a sample given as a tensor, a tuple or a dict.
 
@@ -61,14 +75,14 @@ def bind_sample(model: Any, sample: Any, argument: str = "sample") -> tuple[Call
     if isinstance(sample, Mapping):
         names, inputs = keyword_inputs(sample, argument)
         if recorded is None:
-            return _ByName(model, names), inputs, names
+            return _Uncached(model, _ByName(model, names)), inputs, names
         if set(names) != set(recorded):
             raise InvalidArgumentError(
                 f"{argument} names the inputs {sorted(names)}, but this model was quantized with {list(recorded)}; "
                 f"give the same keyword inputs."
             )
         return model, tuple(sample[n] for n in recorded), recorded
-    return model, as_input_tuple(sample, argument), recorded
+    return _Uncached(model, model), as_input_tuple(sample, argument), recorded
 
 
 @contextlib.contextmanager

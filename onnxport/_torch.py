@@ -32,3 +32,23 @@ def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for m, training in flags:
             m.training = training
+
+
+@contextlib.contextmanager
+def without_kv_cache(model: Any) -> Iterator[None]:
+    """``model`` computing without its key/value cache for the block, then as it was.
+
+    A transformers decoder as ``from_pretrained`` gives it (GPT-2, Llama, BART: ``config.use_cache``
+    True) returns a ``Cache`` object beside its logits; torch.export cannot return that type, and a
+    graph that reads the whole sequence at once has no use for it. Every config among the model's
+    modules with ``use_cache`` on is switched off for the block and restored after.
+    """
+    configs = {id(c): c for m in (model.modules() if isinstance(model, torch.nn.Module) else ())
+               if (c := getattr(m, "config", None)) is not None and getattr(c, "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True

@@ -148,3 +148,22 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
     with_padding = _first(ONNXModel(path)(ids, mask))
     without = _first(ONNXModel(path)(ids, mask.clone().fill_(1)))
     assert not np.allclose(with_padding, without)  # the mask reaches the attention
+
+
+@pytest.mark.parametrize("name", ["GPT-2", "Llama"])
+def test_decoders_as_loaded_with_their_key_value_cache_on_export_without_it(tmp_path, name):
+    """``from_pretrained`` leaves ``config.use_cache`` on, and the model then returns a ``Cache``
+    object that torch.export cannot return: every function captures the whole-sequence graph
+    without it, and the model keeps its setting."""
+    from onnxport import Quantizer, compare_onnx, compare_qdq, export_onnx, export_qdq
+
+    entry = ZOO[name]
+    model = entry.model()
+    model.config.use_cache = True
+    sample, check = _with_mask(entry, 2, 0, True), _with_mask(entry, 3, 3, True)
+    fp32 = export_onnx(model, sample, tmp_path / "fp32.onnx")
+    assert compare_onnx(model, fp32, check, atol=1e-4, rtol=1e-3).passed
+    quantized = Quantizer(target="onnxruntime").quantize(model, [_with_mask(entry, 4, s, True) for s in (10, 11)])
+    path = export_qdq(quantized, sample, tmp_path / "qdq.onnx", dynamic_batch=True)
+    assert compare_qdq(quantized, path, check).outputs[0].cosine_similarity >= 0.999
+    assert model.config.use_cache is True

@@ -130,6 +130,7 @@ def _model_device_check(model: torch.nn.Module) -> None:
 
 def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_batch: bool) -> GraphModule:
     from .._export_torch import tracing_inputs
+    from .._torch import without_kv_cache
 
     dynamic_shapes = None
     if dynamic_batch:
@@ -139,7 +140,8 @@ def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_b
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            with without_kv_cache(model):
+                exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
         text = f"{type(error).__name__} {error}".lower()
