@@ -103,6 +103,24 @@ def test_bad_keyword_samples_are_refused_before_anything_is_written(model, tmp_p
         Quantizer().quantize(model, [_batch(0), {"x": torch.randn(4, 5, 8)}])  # a batch without the mask
     from onnxport import sensitivity
 
-    with pytest.raises(InvalidArgumentError, match="sensitivity search does not read"):
-        sensitivity(model, [_batch(0)], [_batch(1)])
+    with pytest.raises(InvalidArgumentError, match=r"eval_data gives positional tuples but calibration_data gives "
+                                                   r"the keyword inputs \['mask', 'x'\]"):
+        sensitivity(model, [_batch(0)], [(torch.randn(4, 5, 8),)])
     assert not list(tmp_path.iterdir())
+
+
+def test_the_sensitivity_search_reads_keyword_batches_in_any_key_order(model, tmp_path):
+    """The search captures once from dicts and measures on dicts whose keys come in another order;
+    the model it returns takes the same dicts in every function."""
+    from onnxport import quantize_within_budget, sensitivity
+
+    calibration = [_batch(0), _batch(1)]
+    evaluation = [{"mask": b["mask"], "x": b["x"]} for b in (_batch(2), _batch(3))]
+    ranking = sensitivity(model, calibration, evaluation, quantizer=Quantizer(target="onnxruntime"))
+    assert sorted(name for name, _ in ranking) == ["head", "proj"]
+    result = quantize_within_budget(model, calibration, evaluation, budget=0.5, quantizer=Quantizer(target="onnxruntime"))
+    assert result.value >= 0.5 and result.latency["ms"] > 0
+    sample = _batch(4)
+    path = export_qdq(result.model, sample, tmp_path / "budget.onnx")
+    assert compare_qdq(result.model, path, sample).outputs[0].cosine_similarity >= 0.999
+    assert "forward" not in vars(model)  # the positional forward was only the capture's

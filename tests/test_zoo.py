@@ -112,7 +112,7 @@ def _with_mask(entry, batch: int, seed: int, by_name: bool):
 @pytest.mark.parametrize("name, by_name", [("BERT", False), ("GPT-2", True)])
 def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, name, by_name):
     """As users call them: ``model(input_ids, attention_mask)`` or ``model(input_ids=…,
-    attention_mask=…)``, padding included. GPT-2 takes ``past_key_values`` second, so its mask
+    attention_mask=…)``, padding included, in every function (the sensitivity search too). GPT-2 takes ``past_key_values`` second, so its mask
     can only be given by keyword."""
     from onnxport import (
         ONNXModel,
@@ -123,6 +123,7 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
         export_onnx,
         export_qdq,
         qdq_report,
+        sensitivity,
         verify_qdq,
     )
     from onnxport.qdq.stats import ort_optimised_ops
@@ -141,6 +142,10 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
     assert verify_qdq(quantized, path, check) >= 0.75
     assert compare_layers(quantized, path, check).first_divergence is None
     assert qdq_report(path).extra["ort_int8"]["MatMul"]["float"] == 0
+    first_linear = next(n for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D"))
+    ranking = sensitivity(model, [_with_mask(entry, 4, 10, by_name)], [check], quantizer=Quantizer(target="onnxruntime"),
+                          layers=[first_linear])
+    assert [name for name, _ in ranking] == [first_linear]
     for file in (fp32, path):  # every GELU runs as one fused kernel, in the float file and between pairs
         ops = ort_optimised_ops(file)
         assert not ops["Erf"] and ops["Gelu"] + ops["BiasGelu"] + ops["FastGelu"] >= 2, (file.name, ops)

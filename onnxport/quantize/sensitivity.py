@@ -24,25 +24,29 @@ from .calibration import read_calibration
 METRICS = ("cosine", "top1")
 
 
-def _positional(read: tuple[list[tuple[torch.Tensor, ...]], tuple[str, ...] | None], argument: str
-                ) -> list[tuple[torch.Tensor, ...]]:
-    batches, names = read
-    if names is not None:
+def _same_inputs(calibration: tuple[str, ...] | None, batches: list[tuple[torch.Tensor, ...]],
+                 names: tuple[str, ...] | None) -> list[tuple[torch.Tensor, ...]]:
+    """``eval_data``'s batches in the calibration batches' input order; both must give the same
+    keyword inputs, or both positional ones."""
+    if calibration == names:
+        return batches
+    if calibration is None or names is None or set(calibration) != set(names):
+        def describe(keys: tuple[str, ...] | None) -> str:
+            return "positional tuples" if keys is None else f"the keyword inputs {sorted(keys)}"
+
         raise InvalidArgumentError(
-            f"{argument} gives its batches as dicts of keyword inputs, which the sensitivity search does not read "
-            f"yet; give each batch as a tuple of tensors in forward's order."
+            f"eval_data gives {describe(names)} but calibration_data gives {describe(calibration)}; give both "
+            f"the same inputs, the same way."
         )
-    return batches
-
-
-def _eval_batches(eval_data: Any, model: torch.nn.Module) -> list[tuple[torch.Tensor, ...]]:
-    return _positional(read_calibration(eval_data, model, None, argument="eval_data"), "eval_data")
+    order = [names.index(n) for n in calibration]
+    return [tuple(batch[i] for i in order) for batch in batches]
 
 
 def _outputs(model: Any, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     from .._inputs import flatten_outputs
+    from .._torch import without_kv_cache
 
-    with torch.no_grad():
+    with torch.no_grad(), without_kv_cache(model):
         return torch.cat([flatten_outputs(model(*b))[0].detach().float().reshape(b[0].shape[0], -1) for b in batches])
 
 
@@ -58,6 +62,7 @@ class _Trials:
 
     def __init__(self, model: torch.nn.Module, quantizer: Any, calibration_data: Any, eval_data: Any,
                  metric: str, dynamic_batch: bool) -> None:
+        from .._inputs import positional_forward
         from .._torch import require_module
         from .quantizer import Quantizer, _capture
 
@@ -69,22 +74,28 @@ class _Trials:
         if metric not in METRICS:
             raise InvalidArgumentError(f"metric must be one of {', '.join(map(repr, METRICS))}, not {metric!r}.")
         self.quantizer, self.metric, self.dynamic_batch = quantizer, metric, dynamic_batch
-        self.batches = _positional(read_calibration(calibration_data, model, None), "calibration_data")
-        self.eval = _eval_batches(eval_data, model)
-        self.reference = _outputs(model.eval(), self.eval)
-        self.captured = _capture(copy.deepcopy(model).eval(), self.batches[0], dynamic_batch)
+        # Batches of keyword inputs (a transformers model's input_ids and attention_mask) are read
+        # in the first calibration batch's key order; the capture takes them positionally in it.
+        self.batches, self.names = read_calibration(calibration_data, model, None)
+        self.eval = _same_inputs(self.names, *read_calibration(eval_data, model, None, argument="eval_data"))
+        work = copy.deepcopy(model).eval()
+        with positional_forward(work, self.names):
+            self.reference = _outputs(work, self.eval)
+            self.captured = _capture(work, self.batches[0], dynamic_batch)
         self.model = model
         self.count = 0
         self.seconds = 0.0
 
     def quantize(self, float_layers: Sequence[str]) -> Any:
         from .placement import check_skip_names
+        from .quantizer import _record_names
 
         check_skip_names(self.model, list(float_layers), "float_layers")
         trial = copy.copy(self.quantizer)
         trial.float_layers = [*self.quantizer.float_layers, *float_layers]
         start = time.perf_counter()
-        quantized = trial._quantize_captured(copy.deepcopy(self.captured), self.batches, self.dynamic_batch)
+        quantized = _record_names(trial._quantize_captured(copy.deepcopy(self.captured), self.batches,
+                                                           self.dynamic_batch), self.names)
         gc.collect()  # the graphs of the last trial hold each other in cycles: free them now, not later
         self.seconds += time.perf_counter() - start
         self.count += 1
@@ -125,8 +136,11 @@ def sensitivity(
 
     Args:
         model: the float ``nn.Module``.
-        calibration_data: batches to calibrate every trial on (as for ``Quantizer.quantize``).
-        eval_data: batches to measure on; the reference is the float model's first output.
+        calibration_data: batches to calibrate every trial on (as for ``Quantizer.quantize``:
+            tuples of tensors, or dicts of keyword inputs such as ``input_ids`` and
+            ``attention_mask``).
+        eval_data: batches to measure on, given the same way as ``calibration_data`` (dicts
+            with the same keys); the reference is the float model's first output.
         metric: ``'cosine'`` (mean cosine similarity of the first output) or ``'top1'``
             (argmax agreement with the float model).
         quantizer: the settings every trial reuses (default ``Quantizer()``).
@@ -195,7 +209,7 @@ def quantize_within_budget(
     Args:
         model: the float ``nn.Module``.
         calibration_data: calibration batches.
-        eval_data: the batches the budget is measured on.
+        eval_data: the batches the budget is measured on (given as ``calibration_data`` is).
         budget: the least acceptable metric: a cosine (e.g. ``0.999``) or a top-1 agreement
             with the float model (e.g. ``0.99``).
         metric: ``'cosine'`` or ``'top1'``.
@@ -279,7 +293,8 @@ def _latency(model: torch.nn.Module, quantized: Any, trials: _Trials) -> dict[st
 
     sample = tuple(t[:1] for t in trials.eval[0])
     with tempfile.TemporaryDirectory() as scratch:
-        fp32 = export_onnx(model, sample, Path(scratch) / "fp32.onnx")
+        fp32 = export_onnx(model, dict(zip(trials.names, sample)) if trials.names else sample,
+                           Path(scratch) / "fp32.onnx")
         qdq = export_qdq(quantized, sample, Path(scratch) / "qdq.onnx", dynamic_batch=trials.dynamic_batch)
         base = ONNXModel(fp32).latency_ms(*sample)
         ms = ONNXModel(qdq).latency_ms(*sample)
