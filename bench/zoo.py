@@ -135,22 +135,24 @@ def _rounding_floor(quantized, inputs: tuple, seeds: int = 3) -> list[float]:
     far from 1."""
     import torch
 
-    floors = []
-    for seed in range(seeds):
-        generator = torch.Generator().manual_seed(seed)
+    class _Jittered(torch.fx.Interpreter):
+        def __init__(self, module, seed: int) -> None:
+            super().__init__(module)
+            self.generator = torch.Generator().manual_seed(seed)
 
-        class _Jittered(torch.fx.Interpreter):
-            def run_node(self, node):
-                value = super().run_node(node)
-                if (node.op == "call_function" and isinstance(value, torch.Tensor) and value.is_floating_point()
-                        and "quantize" not in str(node.target)):  # the Q/DQ ops themselves are exact
-                    value = value * (1 + 2.0 ** -24 * torch.randn(value.shape, generator=generator))
-                return value
+        def run_node(self, node):
+            value = super().run_node(node)
+            if (node.op == "call_function" and isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and "quantize" not in str(node.target)):  # the Q/DQ ops themselves are exact
+                value = value * (1 + 2.0 ** -24 * torch.randn(value.shape, generator=self.generator))
+            return value
 
-        with torch.no_grad():
-            reference = torch.utils._pytree.tree_leaves(quantized(*inputs))[0].double().flatten()
-            jittered = torch.utils._pytree.tree_leaves(_Jittered(quantized).run(*inputs))[0].double().flatten()
-        floors.append(float(reference @ jittered / (reference.norm() * jittered.norm())))
+    with torch.no_grad():
+        reference = torch.utils._pytree.tree_leaves(quantized(*inputs))[0].double().flatten()
+        floors = []
+        for seed in range(seeds):
+            jittered = torch.utils._pytree.tree_leaves(_Jittered(quantized, seed).run(*inputs))[0].double().flatten()
+            floors.append(float(reference @ jittered / (reference.norm() * jittered.norm())))
     return floors
 
 

@@ -122,11 +122,22 @@ def test_split_along_a_dimension_known_only_at_run_time_is_refused_by_name():
         lower_opset(_split_graph("L"), 17)
 
 
-def test_export_onnx_of_a_model_that_splits_evenly_works_at_the_default_opset(tmp_path):
-    """GPT-2's attention splits its fused projection with tensor.split(size): opset 18's num_outputs."""
+def _assert_exported_at_opset_17(model, x, path) -> onnx.ModelProto:
+    """``export_onnx`` at its default opset declares 17 and agrees with torch at another batch size."""
     import torch
 
     from onnxport import export_onnx, verify_onnx
+
+    export_onnx(model, x, path)
+    exported = onnx.load(str(path))
+    assert next(e.version for e in exported.opset_import if e.domain in ("", "ai.onnx")) == 17
+    assert verify_onnx(model, path, torch.cat([x, x[:1]]))
+    return exported
+
+
+def test_export_onnx_of_a_model_that_splits_evenly_works_at_the_default_opset(tmp_path):
+    """GPT-2's attention splits its fused projection with tensor.split(size): opset 18's num_outputs."""
+    import torch
 
     class Fused(torch.nn.Module):
         def __init__(self) -> None:
@@ -137,11 +148,7 @@ def test_export_onnx_of_a_model_that_splits_evenly_works_at_the_default_opset(tm
             q, k, v = self.qkv(x).split(8, dim=2)
             return q * k + v
 
-    model, x = Fused().eval(), torch.randn(2, 5, 8)
-    path = export_onnx(model, x, tmp_path / "split.onnx")
-    exported = onnx.load(str(path))
-    assert next(e.version for e in exported.opset_import if e.domain in ("", "ai.onnx")) == 17
-    assert verify_onnx(model, path, x)
+    _assert_exported_at_opset_17(Fused().eval(), torch.randn(2, 5, 8), tmp_path / "split.onnx")
 
 
 def _col2im_graph(strides: list[int]) -> onnx.ModelProto:
@@ -180,8 +187,6 @@ def test_export_onnx_of_a_model_that_folds_patches_works_at_the_default_opset(tm
     """MobileViT-style patch attention unfolds an image into patches and folds it back."""
     import torch
 
-    from onnxport import export_onnx, verify_onnx
-
     class Patches(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -192,9 +197,5 @@ def test_export_onnx_of_a_model_that_folds_patches_works_at_the_default_opset(tm
             mixed = self.mix(columns.transpose(1, 2)).transpose(1, 2)
             return torch.nn.functional.fold(mixed, output_size=(8, 8), kernel_size=2, stride=2)
 
-    model, x = Patches().eval(), torch.randn(2, 2, 8, 8)
-    path = export_onnx(model, x, tmp_path / "fold.onnx")
-    exported = onnx.load(str(path))
-    assert next(e.version for e in exported.opset_import if e.domain in ("", "ai.onnx")) == 17
+    exported = _assert_exported_at_opset_17(Patches().eval(), torch.randn(2, 2, 8, 8), tmp_path / "fold.onnx")
     assert "Col2Im" not in {n.op_type for n in exported.graph.node}
-    assert verify_onnx(model, path, torch.randn(3, 2, 8, 8))

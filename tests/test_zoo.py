@@ -112,8 +112,8 @@ def _with_mask(entry, batch: int, seed: int, by_name: bool):
 @pytest.mark.parametrize("name, by_name", [("BERT", False), ("GPT-2", True)])
 def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, name, by_name):
     """As users call them: ``model(input_ids, attention_mask)`` or ``model(input_ids=…,
-    attention_mask=…)``, padding included, in every function (the sensitivity search too). GPT-2 takes ``past_key_values`` second, so its mask
-    can only be given by keyword."""
+    attention_mask=…)``, padding included, in every function (the sensitivity search too). GPT-2
+    takes ``past_key_values`` second, so its mask can only be given by keyword."""
     from onnxport import (
         ONNXModel,
         Quantizer,

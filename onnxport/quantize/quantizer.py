@@ -138,10 +138,9 @@ def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_b
         dynamic_shapes = tuple({0: batch} if t.dim() else None for t in inputs)
         inputs = tracing_inputs(inputs, True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), without_kv_cache(model):
             warnings.simplefilter("ignore", FutureWarning)
-            with without_kv_cache(model):
-                exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
         text = f"{type(error).__name__} {error}".lower()

@@ -24,6 +24,10 @@ from .calibration import read_calibration
 METRICS = ("cosine", "top1")
 
 
+def _describe_inputs(keys: tuple[str, ...] | None) -> str:
+    return "positional tuples" if keys is None else f"the keyword inputs {sorted(keys)}"
+
+
 def _same_inputs(calibration: tuple[str, ...] | None, batches: list[tuple[torch.Tensor, ...]],
                  names: tuple[str, ...] | None) -> list[tuple[torch.Tensor, ...]]:
     """``eval_data``'s batches in the calibration batches' input order; both must give the same
@@ -31,11 +35,9 @@ def _same_inputs(calibration: tuple[str, ...] | None, batches: list[tuple[torch.
     if calibration == names:
         return batches
     if calibration is None or names is None or set(calibration) != set(names):
-        def describe(keys: tuple[str, ...] | None) -> str:
-            return "positional tuples" if keys is None else f"the keyword inputs {sorted(keys)}"
-
         raise InvalidArgumentError(
-            f"eval_data gives {describe(names)} but calibration_data gives {describe(calibration)}; give both "
+            f"eval_data gives {_describe_inputs(names)} but calibration_data gives {_describe_inputs(calibration)}; "
+            f"give both "
             f"the same inputs, the same way."
         )
     order = [names.index(n) for n in calibration]
