@@ -41,6 +41,7 @@ _EXPORTS = {
     "verify_qdq": ".qdq.verify",
     "compare_qdq": ".qdq.verify",
     "QDQComparison": ".qdq.verify",
+    "rounding_floor": ".qdq.rounding",
     "compare_layers": ".qdq.layers",
     "LayerReport": ".qdq.layers",
     "LayerRow": ".qdq.layers",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.targets import check_target
     from .qdq.layers import LayerReport, LayerRow, compare_layers
+    from .qdq.rounding import rounding_floor
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
     from .quantize.sensitivity import BudgetResult, quantize_within_budget, sensitivity

@@ -12,6 +12,7 @@ import onnx
 
 from .._graph import constants, producers, tensor_value
 from ..errors import InvalidArgumentError, OnnxportWarning
+from .rounding import check_floor_arguments, cosine, perturbed_runs
 
 
 class VacuousCheckWarning(OnnxportWarning):
@@ -28,6 +29,12 @@ class QDQOutputComparison:
     max_error_in_steps: float | None
     cosine_similarity: float
     top1_agreement: float
+    #: cosines of the model with itself run with its float ops rounding differently, one per seed
+    #: (``compare_qdq(..., rounding_floor=True)``; see :func:`onnxport.rounding_floor`), else None.
+    #: Flips at rounding boundaries are rare events: on a model that does not amplify them, one
+    #: flip more or less moves the cosine in the fourth decimal, so judge the file by the range
+    #: (near it: rounding; far below it: the file computes something else), not by its minimum.
+    rounding_floor: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,10 +46,15 @@ class QDQComparison:
         return asdict(self)
 
     def __str__(self) -> str:
-        lines = [f"{'output':<16} {'max abs':>10} {'steps':>7} {'cosine':>9} {'top-1':>7}"]
+        floors = any(o.rounding_floor is not None for o in self.outputs)
+        lines = [f"{'output':<16} {'max abs':>10} {'steps':>7} {'cosine':>9} {'top-1':>7}"
+                 + ("  rounding floor (min-max)" if floors else "")]
         for o in self.outputs:
             steps = f"{o.max_error_in_steps:7.2f}" if o.max_error_in_steps is not None else "      -"
-            lines.append(f"{o.name:<16} {o.max_abs_error:>10.4g} {steps} {o.cosine_similarity:>9.6f} {o.top1_agreement:>7.2%}")
+            line = f"{o.name:<16} {o.max_abs_error:>10.4g} {steps} {o.cosine_similarity:>9.6f} {o.top1_agreement:>7.2%}"
+            if o.rounding_floor is not None:
+                line += f"  {min(o.rounding_floor):.6f}-{max(o.rounding_floor):.6f}"
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -89,7 +101,8 @@ def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> 
 
 
 def compare_qdq(
-    model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *, optimized: bool = True
+    model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *, optimized: bool = True,
+    rounding_floor: bool = False, floor_seeds: int = 3,
 ) -> QDQComparison:
     """Compare every output of the ONNX file with the PyTorch model on ``sample``.
 
@@ -104,6 +117,12 @@ def compare_qdq(
             int32). ``False`` runs it with every optimisation off: the file's own ONNX semantics,
             the measure for a file made for another consumer (a ``'tensorrt'`` file keeps its
             biases float, which TensorRT reads as they are).
+        rounding_floor: also run the model ``floor_seeds`` times with every float result
+            perturbed by one float32 ulp (:func:`onnxport.rounding_floor`), and give each
+            output's cosines with the plain run: how close any runtime whose float kernels are not
+            bit-equal to PyTorch's can be expected to come. A file near or above that floor
+            computes what the model computes; one far below it does not.
+        floor_seeds: how many perturbed runs when ``rounding_floor`` is set.
 
     Per output: max absolute error, that error in units of the scale of the last
     DequantizeLinear before the output (how many quantization steps apart), cosine similarity,
@@ -116,6 +135,10 @@ def compare_qdq(
     from ..runtime import ONNXModel, run_inputs
 
     require_module(model)
+    if not isinstance(rounding_floor, bool):
+        raise InvalidArgumentError(f"rounding_floor must be True or False, not {rounding_floor!r}.")
+    if rounding_floor:
+        check_floor_arguments(floor_seeds, 1.0)
     call, batches, names = _split(model, sample, n_batches)
     options = None
     if not optimized:
@@ -130,6 +153,7 @@ def compare_qdq(
         for batch in batches:
             refs.append([t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))])
             gots.append(run_inputs(runner, batch, names))
+        perturbed = perturbed_runs(call, batches, floor_seeds, 1.0) if rounding_floor else None
     header = onnx.load_model(str(onnx_path), load_external_data=False)
     base = os.path.dirname(os.fspath(onnx_path))
     results = []
@@ -138,10 +162,10 @@ def compare_qdq(
         got = np.concatenate([g[index] for g in gots]).astype(np.float64)
         max_abs = float(np.max(np.abs(ref - got))) if ref.size else 0.0
         scale = _output_scale(header, name, base)
-        denom = float(np.linalg.norm(ref) * np.linalg.norm(got))
-        cosine = float(np.dot(ref.ravel(), got.ravel()) / denom) if denom else float(np.array_equal(ref, got))
         top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1))) if ref.ndim >= 1 and ref.shape[-1] > 0 else 1.0
-        results.append(QDQOutputComparison(name, max_abs, scale, max_abs / scale if scale else None, cosine, top1))
+        floor = tuple(cosine(ref, run[index]) for run in perturbed) if perturbed is not None else None
+        results.append(QDQOutputComparison(name, max_abs, scale, max_abs / scale if scale else None,
+                                           cosine(ref, got), top1, floor))
     return QDQComparison(tuple(results), sum(int(b[0].shape[0]) for b in batches))
 
 
