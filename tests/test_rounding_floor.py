@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from onnxport import Quantizer, compare_qdq, export_qdq, rounding_floor
 from onnxport.errors import InvalidArgumentError
