@@ -182,6 +182,52 @@ class TwoInTwoOut(nn.Module):
         return self.head(emb), emb
 
 
+class _DenseLayer(nn.Module):
+    """DenseNet's pre-activation layer: BN -> ReLU -> 1x1 conv -> BN -> ReLU -> 3x3 conv."""
+
+    def __init__(self, channels: int, growth: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.BatchNorm2d(channels), nn.Conv2d(channels, 2 * growth, 1, bias=False)
+        self.norm2, self.conv2 = nn.BatchNorm2d(2 * growth), nn.Conv2d(2 * growth, growth, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(F.relu(self.norm1(x)))
+        return torch.cat([x, self.conv2(F.relu(self.norm2(y)))], 1)
+
+
+class PreActDenseNet(nn.Module):
+    """A small DenseNet: its first batch norm in each layer reads a Concat, not a conv, so pt2e
+    cannot fold it and the quantized model keeps it."""
+
+    def __init__(self, num_classes: int = 10, growth: int = 8, layers: int = 4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False)
+        self.layers = nn.Sequential(*(_DenseLayer(16 + i * growth, growth) for i in range(layers)))
+        channels = 16 + layers * growth
+        self.norm, self.head = nn.BatchNorm2d(channels), nn.Linear(channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.norm(self.layers(self.stem(x))))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def with_statistics(model: nn.Module, shape: tuple[int, ...], seed: int = 0) -> nn.Module:
+    """``model`` in eval mode with batch-norm statistics measured on random batches of ``shape``
+    (the initial ones, mean 0 and variance 1, would make every norm near an identity)."""
+    generator = torch.Generator().manual_seed(seed)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [norm.momentum for norm in norms]
+    for norm in norms:
+        norm.momentum = None  # a cumulative average over the batches below
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(*shape, generator=generator))
+    for norm, momentum in zip(norms, momenta):
+        norm.momentum = momentum  # as it was (a cumulative average is data-dependent control flow for QAT)
+    return model.eval()
+
+
 # --- A tiny classifier and a synthetic data set it learns in seconds --------------------------
 def synthetic_images(n: int, seed: int = 0, size: int = 16, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Procedural 3×size×size images of ``classes`` patterns (stripes, checks, blobs) plus noise."""

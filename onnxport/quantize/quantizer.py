@@ -17,6 +17,7 @@ from .._torch import require_module
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
 from ..qdq.targets import TARGETS, target_record
 from .annotate import AnnotationContext, annotate_graph
+from .batch_norm import retarget_inference_batch_norms
 from .calibration import read_calibration
 from .decompose import split_attention, split_silu
 from .fold import fold_channel_scales
@@ -75,6 +76,7 @@ class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         if not self.ctx.is_qat:  # QAT trains the scale and the weights apart: leave them apart
             model = fold_channel_scales(model)
+            model = retarget_inference_batch_norms(model)
         if self.ctx.int8_sigmoid:
             model = split_silu(model)
         if self.ctx.int8_attention:
