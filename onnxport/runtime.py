@@ -244,7 +244,13 @@ def _compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, rtol: float, at
     max_rel = float(rel.max()) if rel.size else 0.0
     denom = float(np.linalg.norm(got64) * np.linalg.norm(ref64))
     cosine = float(np.dot(got64, ref64) / denom) if denom > 0 else float(np.array_equal(got64, ref64))
-    passed = bool(np.allclose(got64, ref64, rtol=rtol, atol=atol))
+    # A float kernel's rounding grows with the values it adds, not with the element it gives: an
+    # element near zero in an output whose values reach 45 (cancellation of terms of that size)
+    # may be 1e-4 off in a correct file. So atol counts in units of the output's largest
+    # magnitude when that is above 1.
+    finite = np.abs(ref64[np.isfinite(ref64)])
+    scale = max(1.0, float(finite.max())) if finite.size else 1.0
+    passed = bool(np.all((got64 == ref64) | (diff <= atol * scale + rtol * np.abs(ref64))))  # NaN fails; equal infs pass
     return OutputComparison(name, tuple(np.shape(ref)), max_abs, max_rel, cosine, passed)
 
 
@@ -259,7 +265,11 @@ def compare_onnx(
         onnx_path: the ONNX file.
         sample: a tensor, a tuple of tensors (one per input) or a dict of them by name (as for
             :func:`export_onnx`).
-        rtol, atol: the tolerance of ``numpy.allclose`` each output must meet.
+        rtol, atol: each element must be within ``atol · max(1, M) + rtol · |expected|`` of
+            PyTorch's, ``M`` the output's largest magnitude: float kernels that add in another
+            order round in proportion to the values they add, so an element near zero in an
+            output that reaches 45 may be 1e-4 off in a correct file (as ``numpy.allclose`` for
+            outputs within ±1).
     """
     import torch
 

@@ -94,3 +94,29 @@ def test_latency_is_measured_on_validated_inputs(two):
     assert isinstance(ms, float) and ms > 0
     with pytest.raises(InvalidArgumentError, match="Missing input"):
         runner.latency_ms(torch.randn(2, 3, 8, 8))
+
+
+class _Offsets(torch.nn.Module):
+    """Outputs near ±50 beside one near zero; ``offset`` moves only the one near zero."""
+
+    def __init__(self, offset: float = 0.0):
+        super().__init__()
+        self.offset = offset
+
+    def forward(self, x):
+        total = x.sum(1)
+        return torch.stack([50 + total, -50 + total, 1e-3 * total + self.offset], 1)
+
+
+def test_tolerance_scales_with_the_outputs_magnitude(tmp_path):
+    sample = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    path = export_onnx(_Offsets(), sample, tmp_path / "offsets.onnx")
+    # 2e-4 next to values of 50 is float rounding's size (1e-5 of the output's largest magnitude
+    # is 5e-4), though 20x numpy.allclose's atol: passes; 1e-2 does not
+    near = compare_onnx(_Offsets(2e-4), path, sample)
+    assert near.passed and near.outputs[0].max_abs_error == pytest.approx(2e-4, rel=0.05)
+    assert not compare_onnx(_Offsets(1e-2), path, sample).passed
+    # within ±1 the rule is numpy.allclose's: 2e-4 on an element near zero fails
+    small = tmp_path / "small.onnx"
+    export_onnx(torch.nn.Sequential(_Offsets(), torch.nn.Tanh()), sample * 0, small)
+    assert not compare_onnx(torch.nn.Sequential(_Offsets(2e-4), torch.nn.Tanh()), small, sample * 0).passed
