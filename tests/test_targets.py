@@ -92,9 +92,24 @@ def test_onnxruntime_preset_runs_silu_and_sigmoid_gates_in_int8(tmp_path):
     # the squeeze mean is written as the global pool ORT runs on integers, not a float ReduceMean
     assert ops["QLinearGlobalAveragePool"] == 1 and not ops["ReduceMean"]
     assert compare_qdq(ours, path, torch.randn(8, 3, 8, 8)).outputs[0].cosine_similarity >= 0.999
+    # and the report says which of them cost more quantized than in float: the SiLU and the gate
+    costlier = qdq_report(path).extra["ort_costlier_than_float"]
+    assert sorted(costlier.values()) == [1, 1] and any(k.startswith("SiLU") for k in costlier)
+    assert any("squeeze-excite gate" in k for k in costlier)
     # the other presets keep the silu one op, unquantized: no pairs their consumers did not ask for
     trt = Quantizer(target="tensorrt").quantize(model, calibration)
     assert "aten.silu.default" in [str(n.target) for n in trt.graph.nodes if n.op == "call_function"]
+
+
+def test_report_names_a_float_hardswish_between_pairs_and_nothing_in_a_relu_network(tmp_path, preset_files):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Hardswish(), torch.nn.Conv2d(8, 4, 1)).eval()
+    calibration = [torch.randn(4, 3, 8, 8) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    path = export_qdq(quantized, calibration[0], tmp_path / "hardswish.onnx")
+    report = qdq_report(path)
+    assert list(report.extra["ort_costlier_than_float"].values()) == [1]
+    assert "costlier quantized than in float on ORT's CPU: HardSwish in float" in str(report)
+    assert qdq_report(preset_files["resnet", "onnxruntime"]).extra["ort_costlier_than_float"] == {}
 
 
 def _onnxruntime_file(build, tmp_path, shape):

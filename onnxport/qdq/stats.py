@@ -176,6 +176,8 @@ class QDQReport:
         if ort_counts:
             runs = ", ".join(f"{op} {c['int8']}/{c['int8'] + c['float']}" for op, c in ort_counts.items())
             lines.append(f"ONNX Runtime (CPU, default level) runs in INT8: {runs}")
+        for pattern, count in self.extra.get("ort_costlier_than_float", {}).items():
+            lines.append(f"  costlier quantized than in float on ORT's CPU: {pattern} x{count}")
         if self.extra.get("ort_matmul_nbits"):
             lines.append(
                 f"ONNX Runtime runs {self.extra['ort_matmul_nbits']} MatMul as MatMulNBits (weight-only int4/int8)"
@@ -255,10 +257,12 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     opset = opset_of(model)
     extra: dict[str, Any] = {"float_elementwise": dict(kept_float.most_common())}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
-        optimised = ort_optimised_ops(onnx_path)
+        graph = ort_optimised_graph(onnx_path)
+        optimised = Counter(node.op_type for node in graph.node)
         counts = ort_int8_counts(onnx_path, optimised)
         extra["ort_int8"] = {op: c for op, c in counts.items() if c["int8"] or c["float"]}
         extra["ort_matmul_nbits"] = optimised.get("MatMulNBits", 0)
+        extra["ort_costlier_than_float"] = ort_costlier_than_float(graph)
     return QDQReport(opset, stats, tuple(ops), dict(zp_types), tuple(missing), extra)
 
 
@@ -269,8 +273,8 @@ _ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": 
               "MatMul": "MatMul", "FusedMatMul": "MatMul", "Add": "Add"}
 
 
-def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
-    """Operator counts of the graph ONNX Runtime actually runs (CPU provider, default level)."""
+def ort_optimised_graph(onnx_path: str | os.PathLike) -> onnx.GraphProto:
+    """The main graph ONNX Runtime actually runs (CPU provider, default level), without weights."""
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -281,7 +285,58 @@ def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
         # A model over 2 GB can only be saved with its weights outside the proto.
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimised.onnx.data")
         ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-        return Counter(node.op_type for node in onnx.load_model(str(optimised), load_external_data=False).graph.node)
+        return onnx.load_model(str(optimised), load_external_data=False).graph
+
+
+def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
+    """Operator counts of the graph ONNX Runtime actually runs (CPU provider, default level)."""
+    return Counter(node.op_type for node in ort_optimised_graph(onnx_path).node)
+
+
+#: What ORT's CPU provider runs at more cost quantized than a float graph runs it, by the pattern
+#: its optimised graph shows (measured on transformers' EfficientNet-B0 and timm's MobileNetV3 at
+#: batch 1 on two cores; see the README's Known limitations). On 112x112x96: QLinearSigmoid
+#: 171 us + QLinearMul 124 us against QuickGelu's 101; a broadcast QLinearMul 263 us on one thread.
+COSTLIER_THAN_FLOAT = {
+    "silu": "SiLU as QLinearSigmoid + QLinearMul: two INT8 passes where a float graph runs one fused QuickGelu",
+    "gate": "a squeeze-excite gate as a broadcast QLinearMul, which ORT runs on one thread",
+    "hardswish": "HardSwish in float between pairs (ORT has no INT8 kernel): a DequantizeLinear, "
+                 "HardSigmoid, Mul and QuantizeLinear where a float graph fuses it into its conv",
+}
+_POOLS = {"QLinearGlobalAveragePool", "GlobalAveragePool", "ReduceMean"}
+
+
+def _pooled(name: str, made_by: dict[str, onnx.NodeProto], depth: int = 8) -> bool:
+    """Whether ``name`` is computed from a global pool within ``depth`` producers (a gate)."""
+    frontier = [name]
+    for _ in range(depth):
+        producers_ = [made_by[n] for n in frontier if n in made_by]
+        if any(p.op_type in _POOLS for p in producers_):
+            return True
+        frontier = [p.input[0] for p in producers_ if p.input]
+    return False
+
+
+def ort_costlier_than_float(graph: onnx.GraphProto) -> dict[str, int]:
+    """Count, in ORT's optimised ``graph``, the patterns of :data:`COSTLIER_THAN_FLOAT`."""
+    made_by = {out: node for node in graph.node for out in node.output}
+    found: Counter[str] = Counter()
+    for node in graph.node:
+        if node.op_type == "QLinearMul" and len(node.input) > 3:
+            first, second = node.input[0], node.input[3]
+            for x, s in ((first, second), (second, first)):
+                sigmoid = made_by.get(s)
+                if sigmoid is None or sigmoid.op_type != "QLinearSigmoid":
+                    continue
+                if sigmoid.input[0] == x:
+                    found["silu"] += 1
+                elif _pooled(sigmoid.input[0], made_by):
+                    found["gate"] += 1
+                break
+        elif node.op_type == "HardSigmoid" and (p := made_by.get(node.input[0])) is not None \
+                and p.op_type == "DequantizeLinear":
+            found["hardswish"] += 1
+    return {COSTLIER_THAN_FLOAT[k]: found[k] for k in COSTLIER_THAN_FLOAT if found[k]}
 
 
 def ort_int8_counts(onnx_path: str | os.PathLike, optimised: Counter[str] | None = None) -> dict[str, dict[str, int]]:
