@@ -26,13 +26,19 @@ def quantized():
 
 
 class _ExactOps(nn.Module):
-    """Only ops every runtime computes exactly: Q/DQ, views, data movement, ReLU, max."""
+    """Only ops every runtime computes exactly: dequantization, views, data movement, ReLU, max."""
 
     def forward(self, x):
-        q = _QD.quantize_per_tensor.default(x, 0.05, 3, -128, 127, torch.int8)
+        q = torch.clamp(torch.round(x * 20), -128, 127).to(torch.int8)
         x = _QD.dequantize_per_tensor.default(q, 0.05, 3, -128, 127, torch.int8)
         x = torch.relu(torch.cat([x, x.flip(1)], 1))
         return x.amax(dim=-1).reshape(x.shape[0], -1)
+
+
+class _Quantizes(nn.Module):
+    def forward(self, x):
+        q = _QD.quantize_per_tensor.default(x, 0.5, 0, -128, 127, torch.int8)
+        return _QD.dequantize_per_tensor.default(q, 0.5, 0, -128, 127, torch.int8)
 
 
 class _Sums(nn.Module):
@@ -40,10 +46,10 @@ class _Sums(nn.Module):
         return (x.abs() * 1.1 + 0.5).sum(dim=(2, 3))  # positive terms: no cancellation to magnify an ulp
 
 
-def _plain_and_perturbed(model):
+def _plain_and_perturbed(model, sample=SAMPLE):
     with torch.no_grad():
-        plain = model(SAMPLE).numpy()
-        return plain, perturbed_runs(model, [(SAMPLE,)], seeds=2, ulps=1.0)
+        plain = model(sample).numpy()
+        return plain, perturbed_runs(model, [(sample,)], seeds=2, ulps=1.0)
 
 
 def test_exact_ops_are_left_alone_and_arithmetic_is_perturbed_by_about_an_ulp():
@@ -54,6 +60,17 @@ def test_exact_ops_are_left_alone_and_arithmetic_is_perturbed_by_about_an_ulp():
     assert not np.array_equal(plain, first) and not np.array_equal(first, second)  # each seed its own noise
     relative = np.abs(first / plain - 1)
     assert relative.max() < 8 * 2.0**-24 and relative.mean() > 0.1 * 2.0**-24
+
+
+def test_a_quantizer_rounds_its_input_an_ulp_off_so_only_values_on_a_boundary_move():
+    # ONNX divides by the scale where torch multiplies by its reciprocal: a value exactly halfway
+    # between two steps may round either way; one a tenth of a step off may not
+    halves = torch.arange(-40, 40, dtype=torch.float32).reshape(4, 20) * 0.5 + 0.25
+    plain, runs = _plain_and_perturbed(_Quantizes(), halves)
+    moved = np.mean(plain != runs[0][0])
+    assert 0.05 < moved < 0.8 and np.abs(plain - runs[0][0]).max() == 0.5  # one step, at most
+    plain, runs = _plain_and_perturbed(_Quantizes(), halves + 0.05)
+    assert all(np.array_equal(plain, run[0]) for run in runs)
 
 
 def test_floor_of_a_quantized_model_is_seeded_and_close_to_one(quantized):

@@ -6,7 +6,7 @@ round a last bit differently, and an element that sits that close to a rounding 
 one quantization step away at the next QuantizeLinear. On a network that amplifies such flips
 (deep, random or badly conditioned weights) the outputs then drift far apart with no op at
 fault. :func:`rounding_floor` measures that floor on the model itself: it runs the model with
-every float result scaled by ``1 + ε``, ``ε ~ N(0, (ulps · 2⁻²⁴)²)`` — by default one float32
+every float result (and every value a quantizer rounds) scaled by ``1 + ε``, ``ε ~ N(0, (ulps · 2⁻²⁴)²)`` — by default one float32
 ulp, no more than two kernels that sum in different orders differ by (a conv's float sum of a few
 hundred products is further than that from the exact integer sum ONNX Runtime's INT8 kernels
 compute) — and gives the cosine of each output with the unperturbed run. A file whose cosine with the model is near that floor is as
@@ -40,10 +40,13 @@ def _perturbing_mode(generator: Any, ulps: float) -> Any:
 
     relative = ulps * 2.0**-24
 
+    def quantizes(func: Any) -> bool:
+        return func.namespace == "quantized_decomposed" and func.overloadpacket.__name__.startswith("quantize_per")
+
     def exact(func: Any) -> bool:
         schema = func._schema
         return (
-            func.namespace == "quantized_decomposed"  # Q/DQ: every runtime rounds them alike
+            func.namespace == "quantized_decomposed"  # dequantizing is exact; quantizing, see below
             or func.overloadpacket.__name__.rstrip("_") in _EXACT
             or any(r.alias_info is not None for r in schema.returns)  # views and in-place ops
         )
@@ -56,6 +59,10 @@ def _perturbing_mode(generator: Any, ulps: float) -> Any:
 
     class _Perturbed(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if quantizes(func) and args:
+                # ONNX QuantizeLinear divides by the scale, torch multiplies by its reciprocal: up
+                # to an ulp apart on the value rounded, whatever op produced it
+                args = (jitter(args[0]), *args[1:])
             result = func(*args, **(kwargs or {}))
             if exact(func):
                 return result
@@ -104,9 +111,10 @@ def rounding_floor(model: Any, sample: Any, seeds: int = 3, ulps: float = 1.0) -
         seeds: how many perturbed runs (each with its own noise).
         ulps: the noise's standard deviation, in float32 ulps of each result (2⁻²⁴ relative per ulp).
 
-    Every float result of every op except the exact ones (Q/DQ, data movement, views, ReLU and
-    clamps, max/min, padding, lookups) is scaled by ``1 + ulps · 2⁻²⁴ · ε``, ``ε ~ N(0, 1)``, and
-    rounded back to its dtype. A runtime whose float kernels are not bit-equal to PyTorch's cannot
+    Every float result of every op except the exact ones (dequantization, data movement, views,
+    ReLU and clamps, max/min, padding, lookups) is scaled by ``1 + ulps · 2⁻²⁴ · ε``,
+    ``ε ~ N(0, 1)``, and rounded back to its dtype; so is every value a quantizer rounds (ONNX
+    QuantizeLinear divides by the scale where torch multiplies by its reciprocal). A runtime whose float kernels are not bit-equal to PyTorch's cannot
     be expected to come closer to the model than these runs do: ``compare_qdq(...,
     rounding_floor=True)`` puts the two side by side.
     """
