@@ -119,3 +119,17 @@ def test_bad_compare_qdq_floor_arguments(quantized, tmp_path):
         compare_qdq(quantized, tmp_path / "never.onnx", SAMPLE, rounding_floor="yes")
     with pytest.raises(InvalidArgumentError, match="seeds must be a positive integer"):
         compare_qdq(quantized, tmp_path / "never.onnx", SAMPLE, rounding_floor=True, floor_seeds=0)
+
+
+def test_an_output_that_does_not_depend_on_the_input_is_reported_as_a_vacuous_comparison(quantized, tmp_path):
+    from onnxport.qdq.verify import VacuousCheckWarning
+
+    path = export_qdq(quantized, SAMPLE[:1], tmp_path / "m.onnx", dynamic_batch=True)
+    same = SAMPLE[:1].expand(4, -1, -1, -1).contiguous()
+    with pytest.warns(VacuousCheckWarning, match="nearly the same for every input"):
+        assert compare_qdq(quantized, path, same).outputs[0].cosine_similarity == pytest.approx(1.0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VacuousCheckWarning)
+        compare_qdq(quantized, path, SAMPLE)  # inputs that change the output: no warning

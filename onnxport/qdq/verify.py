@@ -160,6 +160,7 @@ def compare_qdq(
     for index, name in enumerate(runner.output_names):
         ref = np.concatenate([r[index] for r in refs]).astype(np.float64)
         got = np.concatenate([g[index] for g in gots]).astype(np.float64)
+        _warn_if_input_independent(name, ref)
         max_abs = float(np.max(np.abs(ref - got))) if ref.size else 0.0
         scale = _output_scale(header, name, base)
         top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1))) if ref.ndim >= 1 and ref.shape[-1] > 0 else 1.0
@@ -167,6 +168,29 @@ def compare_qdq(
         results.append(QDQOutputComparison(name, max_abs, scale, max_abs / scale if scale else None,
                                            cosine(ref, got), top1, floor))
     return QDQComparison(tuple(results), sum(int(b[0].shape[0]) for b in batches))
+
+
+#: below this spread across the samples (relative to the output's size), an output is taken as
+#: not depending on its input: CaiT's and EVA02's logits at initialisation vary by 2e-5
+_INPUT_INDEPENDENT = 1e-3
+
+
+def _warn_if_input_independent(name: str, ref: np.ndarray) -> None:
+    """Warn when every sample gives (nearly) the same output: any file that computes that one
+    constant then agrees with the model, and a cosine of 1.0 proves nothing."""
+    if ref.ndim < 1 or ref.shape[0] < 2 or not ref.size:
+        return
+    rows = ref.reshape(ref.shape[0], -1)
+    size = float(np.linalg.norm(rows.mean(0)))
+    spread = float(np.max(np.linalg.norm(rows - rows.mean(0), axis=1)))
+    if spread <= _INPUT_INDEPENDENT * size:
+        warnings.warn(
+            f"Output {name!r} of the PyTorch model is nearly the same for every input of the sample (it varies "
+            f"by {spread / size if size else 0.0:.1e} of its size), so any file that computes that one value agrees "
+            "with it: the comparison is vacuous here. Use inputs that change the output, or a trained model.",
+            VacuousCheckWarning,
+            stacklevel=3,
+        )
 
 
 def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1) -> float:
