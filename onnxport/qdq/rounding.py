@@ -6,11 +6,12 @@ round a last bit differently, and an element that sits that close to a rounding 
 one quantization step away at the next QuantizeLinear. On a network that amplifies such flips
 (deep, random or badly conditioned weights) the outputs then drift far apart with no op at
 fault. :func:`rounding_floor` measures that floor on the model itself: it runs the model with
-every float result (and every value a quantizer rounds) scaled by ``1 + ε``, ``ε ~ N(0, (ulps · 2⁻²⁴)²)`` — by default one float32
-ulp, no more than two kernels that sum in different orders differ by (a conv's float sum of a few
-hundred products is further than that from the exact integer sum ONNX Runtime's INT8 kernels
-compute) — and gives the cosine of each output with the unperturbed run. A file whose cosine with the model is near that floor is as
-faithful as float arithmetic allows; one far below it computes something else.
+every float result (and every value a quantizer rounds) scaled by ``1 + ε``,
+``ε ~ N(0, (ulps · 2⁻²⁴)²)`` — by default one float32 ulp, no more than two kernels that sum in
+different orders differ by (a conv's float sum of a few hundred products is further than that from
+the exact integer sum ONNX Runtime's INT8 kernels compute) — and gives the cosine of each output
+with the unperturbed run. A file whose cosine with the model is near that floor is as faithful as
+float arithmetic allows; one far below it computes something else.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-#: ops whose results are exact in every runtime (they move or select values, or clamp them):
-#: jittering them would blame a runtime for rounding it does not do.
+#: ops every runtime computes alike (they move, select or clamp values, or round them by one
+#: IEEE rule): jittering them would blame a runtime for rounding it does not do.
 _EXACT = frozenset({
     "clone", "_to_copy", "copy", "copy_", "cat", "stack", "constant_pad_nd", "embedding", "index_select",
     "gather", "index", "repeat", "repeat_interleave", "relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
     "max_pool2d_with_indices", "max_pool1d_with_indices", "max_pool3d_with_indices", "max", "min",
     "amax", "amin", "adaptive_max_pool2d", "upsample_nearest2d", "topk", "sort", "im2col", "index_put",
-    "floor", "ceil", "round", "sign", "maximum", "minimum", "where", "masked_fill", "flip", "roll", "pixel_shuffle", "pixel_unshuffle",
+    "floor", "ceil", "round", "sign", "maximum", "minimum", "where", "masked_fill", "flip", "roll",
+    "pixel_shuffle", "pixel_unshuffle",
     "scatter", "slice_scatter", "select_scatter", "neg", "abs", "zeros_like", "ones_like", "full_like",
     "empty_like", "fill", "lift_fresh", "alias", "detach",
 })
