@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import InvalidArgumentError
+from .qdq.rounding import cosine
 
 _ORT_TO_NUMPY = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -242,8 +243,6 @@ def _compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, rtol: float, at
     max_abs = float(diff.max()) if diff.size else 0.0
     rel = diff / np.maximum(np.abs(ref64), np.finfo(np.float32).tiny)
     max_rel = float(rel.max()) if rel.size else 0.0
-    denom = float(np.linalg.norm(got64) * np.linalg.norm(ref64))
-    cosine = float(np.dot(got64, ref64) / denom) if denom > 0 else float(np.array_equal(got64, ref64))
     # A float kernel's rounding grows with the values it adds, not with the element it gives: an
     # element near zero in an output whose values reach 45 (cancellation of terms of that size)
     # may be 1e-4 off in a correct file. So atol counts in units of the output's largest
@@ -251,7 +250,7 @@ def _compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, rtol: float, at
     finite = np.abs(ref64[np.isfinite(ref64)])
     scale = max(1.0, float(finite.max())) if finite.size else 1.0
     passed = bool(np.all((got64 == ref64) | (diff <= atol * scale + rtol * np.abs(ref64))))  # NaN fails; equal infs pass
-    return OutputComparison(name, tuple(np.shape(ref)), max_abs, max_rel, cosine, passed)
+    return OutputComparison(name, tuple(np.shape(ref)), max_abs, max_rel, cosine(got64, ref64), passed)
 
 
 def compare_onnx(

@@ -74,6 +74,7 @@ def _perturbing_mode(generator: Any, ulps: float) -> Any:
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two arrays in float64; two all-zero arrays agree (1.0)."""
     a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
     denom = float(np.linalg.norm(a) * np.linalg.norm(b))
     return float(a @ b / denom) if denom else float(np.array_equal(a, b))
@@ -97,6 +98,7 @@ def perturbed_runs(call: Any, batches: list[tuple], seeds: int, ulps: float) -> 
 
 
 def check_floor_arguments(seeds: Any, ulps: Any) -> None:
+    """Refuse a non-positive or non-integer seed count, or a non-positive ulp count."""
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise InvalidArgumentError(f"seeds must be a positive integer, not {seeds!r}.")
     if isinstance(ulps, bool) or not isinstance(ulps, (int, float)) or not ulps > 0:

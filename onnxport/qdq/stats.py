@@ -319,7 +319,7 @@ def _pooled(name: str, made_by: dict[str, onnx.NodeProto], depth: int = 8) -> bo
 
 def ort_costlier_than_float(graph: onnx.GraphProto) -> dict[str, int]:
     """Count, in ORT's optimised ``graph``, the patterns of :data:`COSTLIER_THAN_FLOAT`."""
-    made_by = {out: node for node in graph.node for out in node.output}
+    made_by = producers(graph)
     found: Counter[str] = Counter()
     for node in graph.node:
         if node.op_type == "QLinearMul" and len(node.input) > 3:

@@ -181,8 +181,9 @@ def _warn_if_input_independent(name: str, ref: np.ndarray) -> None:
     if ref.ndim < 1 or ref.shape[0] < 2 or not ref.size:
         return
     rows = ref.reshape(ref.shape[0], -1)
-    size = float(np.linalg.norm(rows.mean(0)))
-    spread = float(np.max(np.linalg.norm(rows - rows.mean(0), axis=1)))
+    mean = rows.mean(0)
+    size = float(np.linalg.norm(mean))
+    spread = float(np.max(np.linalg.norm(rows - mean, axis=1)))
     if spread <= _INPUT_INDEPENDENT * size:
         warnings.warn(
             f"Output {name!r} of the PyTorch model is nearly the same for every input of the sample (it varies "

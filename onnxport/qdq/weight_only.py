@@ -30,6 +30,7 @@ import torch
 from .. import _checks
 from .._io import PROTOBUF_LIMIT
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
+from .rounding import cosine
 
 #: Blocked and int4 DequantizeLinear exist from this opset.
 WEIGHT_ONLY_OPSET = 21
@@ -317,12 +318,6 @@ def check_weights_faithful(path: str | Path, weights: list[QuantizedWeight]) -> 
         )
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).reshape(-1), b.astype(np.float64).reshape(-1)
-    denominator = np.linalg.norm(a) * np.linalg.norm(b)
-    return 1.0 if denominator == 0 and np.array_equal(a, b) else float(a @ b / denominator) if denominator else 0.0
-
-
 def check_agreement(got: list[np.ndarray], expected: list[np.ndarray], names: list[str], what: str) -> list[float]:
     """Cosine of each float output with the torchao model's; below :data:`MIN_COSINE` refuses."""
     cosines = []
@@ -333,13 +328,13 @@ def check_agreement(got: list[np.ndarray], expected: list[np.ndarray], names: li
             if not np.array_equal(a, b):
                 raise ExportRefusedError(f"{what}: integer output '{name}' differs from the model's; nothing was kept.")
             continue
-        cosine = _cosine(a, b)
-        if not cosine >= MIN_COSINE:
+        agreement = cosine(a, b)
+        if not agreement >= MIN_COSINE:
             raise ExportRefusedError(
-                f"{what}: output '{name}' agrees with the torchao model to cosine {cosine:.6f}, below "
+                f"{what}: output '{name}' agrees with the torchao model to cosine {agreement:.6f}, below "
                 f"{MIN_COSINE}; nothing was kept."
             )
-        cosines.append(cosine)
+        cosines.append(agreement)
     return cosines
 
 
@@ -457,7 +452,7 @@ def export_weight_only(
     options.log_severity_level = 3  # saving an optimised graph warns that it is machine-specific
     session = make_session(staged, optimized=True, session_options=options)
     default = session.run(None, feeds)
-    default_cosines = [_cosine(a, b) for a, b in zip(default, reference) if np.issubdtype(b.dtype, np.floating)]
+    default_cosines = [cosine(a, b) for a, b in zip(default, reference) if np.issubdtype(b.dtype, np.floating)]
     if min(default_cosines, default=1.0) < MIN_COSINE:
         # Not the file's doing: the fused MatMulNBits quantizes its activations to int8 at ORT's
         # default accuracy level 4; levels 0-2 compute in float and agree as the unoptimised run.

@@ -21,7 +21,7 @@ import operator
 import torch
 from torch.fx import GraphModule
 
-from .decompose import _call, _finish
+from .decompose import call_like, finish
 
 aten = torch.ops.aten
 
@@ -38,9 +38,9 @@ def retarget_inference_batch_norms(model: GraphModule) -> GraphModule:
         if training or mean is None or var is None:
             continue  # statistics of the batch: not the inference norm this is for
         with graph.inserting_before(node):
-            native = _call(graph, node, aten.native_batch_norm.default, (x, weight, bias, mean, var, False, momentum, eps))
-            output = _call(graph, node, operator.getitem, (native, 0))
+            native = call_like(graph, node, aten.native_batch_norm.default, (x, weight, bias, mean, var, False, momentum, eps))
+            output = call_like(graph, node, operator.getitem, (native, 0))
         node.replace_all_uses_with(output)
         graph.erase_node(node)
         changed = True
-    return _finish(model, changed)
+    return finish(model, changed)

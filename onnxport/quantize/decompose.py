@@ -29,7 +29,7 @@ def _val(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
     return target(*(value(a) for a in args), **{k: value(v) for k, v in (kwargs or {}).items()})
 
 
-def _call(graph: Graph, like: Node, target: Any, args: tuple, role: str | None = None, **kwargs: Any) -> Node:
+def call_like(graph: Graph, like: Node, target: Any, args: tuple, role: str | None = None, **kwargs: Any) -> Node:
     node = graph.call_function(target, args, kwargs or None)
     node.meta.update(like.meta)
     node.meta["val"] = _val(target, args, kwargs)
@@ -38,7 +38,7 @@ def _call(graph: Graph, like: Node, target: Any, args: tuple, role: str | None =
     return node
 
 
-def _finish(model: GraphModule, changed: bool) -> GraphModule:
+def finish(model: GraphModule, changed: bool) -> GraphModule:
     if changed:
         model.graph.lint()
         model.recompile()
@@ -58,12 +58,12 @@ def split_silu(model: GraphModule) -> GraphModule:
             continue
         x = node.args[0]
         with graph.inserting_before(node):
-            sigmoid = _call(graph, node, aten.sigmoid.default, (x,))
-            product = _call(graph, node, aten.mul.Tensor, (x, sigmoid))
+            sigmoid = call_like(graph, node, aten.sigmoid.default, (x,))
+            product = call_like(graph, node, aten.mul.Tensor, (x, sigmoid))
         node.replace_all_uses_with(product)
         graph.erase_node(node)
         changed = True
-    return _finish(model, changed)
+    return finish(model, changed)
 
 
 def split_attention(model: GraphModule) -> GraphModule:
@@ -95,21 +95,21 @@ def split_attention(model: GraphModule) -> GraphModule:
         with graph.inserting_before(node):
             if given.get("enable_gqa", False):
                 repeats = q.meta["val"].shape[-3] // k.meta["val"].shape[-3]
-                k = _call(graph, node, aten.repeat_interleave.self_int, (k, repeats, -3), "glue")
-                v = _call(graph, node, aten.repeat_interleave.self_int, (v, repeats, -3), "glue")
-            keys = _call(graph, node, aten.transpose.int, (k, -2, -1), "glue")
-            scores = _call(graph, node, aten.matmul.default, (q, keys), "scores")
+                k = call_like(graph, node, aten.repeat_interleave.self_int, (k, repeats, -3), "glue")
+                v = call_like(graph, node, aten.repeat_interleave.self_int, (v, repeats, -3), "glue")
+            keys = call_like(graph, node, aten.transpose.int, (k, -2, -1), "glue")
+            scores = call_like(graph, node, aten.matmul.default, (q, keys), "scores")
             if scale != 1.0:
-                scores = _call(graph, node, aten.mul.Tensor, (scores, scale), "glue")
+                scores = call_like(graph, node, aten.mul.Tensor, (scores, scale), "glue")
             if isinstance(mask, Node):
                 if mask.meta["val"].dtype == torch.bool:
-                    hidden = _call(graph, node, aten.logical_not.default, (mask,), "glue")
-                    scores = _call(graph, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")), "glue")
+                    hidden = call_like(graph, node, aten.logical_not.default, (mask,), "glue")
+                    scores = call_like(graph, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")), "glue")
                 else:
-                    scores = _call(graph, node, aten.add.Tensor, (scores, mask), "glue")
-            probabilities = _call(graph, node, aten.softmax.int, (scores, -1), "softmax")
-            context = _call(graph, node, aten.matmul.default, (probabilities, v), "context")
+                    scores = call_like(graph, node, aten.add.Tensor, (scores, mask), "glue")
+            probabilities = call_like(graph, node, aten.softmax.int, (scores, -1), "softmax")
+            context = call_like(graph, node, aten.matmul.default, (probabilities, v), "context")
         node.replace_all_uses_with(context)
         graph.erase_node(node)
         changed = True
-    return _finish(model, changed)
+    return finish(model, changed)

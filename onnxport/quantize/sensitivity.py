@@ -37,8 +37,7 @@ def _same_inputs(calibration: tuple[str, ...] | None, batches: list[tuple[torch.
     if calibration is None or names is None or set(calibration) != set(names):
         raise InvalidArgumentError(
             f"eval_data gives {_describe_inputs(names)} but calibration_data gives {_describe_inputs(calibration)}; "
-            f"give both "
-            f"the same inputs, the same way."
+            "give both the same inputs, the same way."
         )
     order = [names.index(n) for n in calibration]
     return [tuple(batch[i] for i in order) for batch in batches]
