@@ -23,6 +23,9 @@ _EXPORTS = {
     "InvalidArgumentError": ".errors",
     "ExportRefusedError": ".errors",
     "WriteError": ".errors",
+    "DependencyError": ".errors",
+    "UnsafeExternalDataError": ".errors",
+    "VacuousCheckWarning": ".errors",
     "PerformanceWarning": ".errors",
     "RuntimePrecisionWarning": ".errors",
     "OnnxportWarning": ".errors",
@@ -55,8 +58,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .files import save_model
-    from .errors import (ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, PerformanceWarning,
-                         RuntimePrecisionWarning, WriteError)
+    from .errors import (DependencyError, ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning,
+                         PerformanceWarning, RuntimePrecisionWarning, UnsafeExternalDataError, VacuousCheckWarning,
+                         WriteError)
     from .qdq.export import export_qdq
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.targets import check_target

@@ -80,8 +80,10 @@ def tensor_value(tensor: onnx.TensorProto, base_dir: str | Path | None = None) -
     """A constant's values, reading external data from ``base_dir`` when it lives there (or from
     the folder its own ``basepath`` entry names: a tensor a conversion spilled to scratch)."""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        own = next((e.value for e in tensor.external_data if e.key == "basepath"), None)
-        return numpy_helper.to_array(tensor, str(own or base_dir or ""))
+        from ._io import external_folder, external_source
+
+        external_source(tensor, base_dir)  # confined to the model's folder before a byte is read
+        return numpy_helper.to_array(tensor, str(external_folder(tensor, base_dir)))
     return numpy_helper.to_array(tensor)
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 from onnx import numpy_helper
 
-from .errors import InvalidArgumentError, WriteError
+from .errors import InvalidArgumentError, UnsafeExternalDataError, WriteError
 
 #: Protobuf cannot serialise a message of 2 GiB or more; bigger models keep their weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -43,7 +44,7 @@ def read_onnx(path: str | os.PathLike, argument: str = "model", *, load_external
     if file.stat().st_size == 0:
         raise InvalidArgumentError(f"{argument} '{file}' is empty: it holds no ONNX model.")
     try:
-        model = onnx.load_model(str(file), load_external_data=load_external_data)
+        model = onnx.load_model(str(file), load_external_data=False)
     except (DecodeError, ValueError, RuntimeError) as error:
         raise InvalidArgumentError(
             f"{argument} '{file}' is not a readable ONNX model (truncated or not ONNX?): {str(error).splitlines()[0]}"
@@ -54,6 +55,10 @@ def read_onnx(path: str | os.PathLike, argument: str = "model", *, load_external
         raise InvalidArgumentError(f"{argument} '{file}' parses, but holds no graph: it is not an ONNX model.")
     if not any(e.domain in ("", "ai.onnx") for e in model.opset_import):
         raise InvalidArgumentError(f"{argument} '{file}' declares no default-domain opset, so no runtime can read it.")
+    check_external_locations(model, file.parent)  # before any byte of external data is read
+    if load_external_data:
+        check_external_data(model, file.parent)
+        onnx.external_data_helper.load_external_data_for_model(model, str(file.parent))
     return model
 
 
@@ -166,21 +171,80 @@ def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
-def external_source(tensor: onnx.TensorProto, base: str | os.PathLike | None) -> tuple[Path, int, int]:
-    """(file, offset, length) of an external tensor's bytes; length -1 when the file says none."""
-    info = _external_info(tensor)
-    folder = info.get(BASEPATH_KEY) or base
-    if folder is None:
+def _inside(folder: Path, location: str, tensor: str) -> Path:
+    """``folder / location`` when that file lies inside ``folder`` (links resolved); else a named
+    error. ``onnx.load`` and ONNX Runtime refuse the same locations: a model file from anywhere
+    must not make onnxport read (and carry into its output) any file the user can read."""
+    if not location:
+        raise UnsafeExternalDataError(f"Tensor '{tensor}' refers to external data but names no file ('location').")
+    if os.path.isabs(location) or Path(location).drive or location.startswith(("/", "\\")):
+        raise UnsafeExternalDataError(
+            f"Tensor '{tensor}' names its external data by the absolute path '{location}'; a model's external "
+            f"data must be a file inside the model's folder, named relative to it. Refused before reading it."
+        )
+    root = Path(os.path.realpath(folder))
+    file = Path(os.path.realpath(root / location))
+    if file != root and root not in file.parents:
+        raise UnsafeExternalDataError(
+            f"Tensor '{tensor}' names its external data '{location}', which resolves to '{file}', outside the "
+            f"model's folder '{root}'. A model's external data must stay inside its folder; refused before "
+            f"reading it."
+        )
+    return file
+
+
+def external_folder(tensor: onnx.TensorProto, base: str | os.PathLike | None) -> Path:
+    """The folder an external tensor's ``location`` is relative to: ``base`` (the model's folder),
+    or the ``basepath`` entry of a tensor onnxport spilled to its own scratch folder. A
+    ``basepath`` that names any other folder came from a file, not from us, and is refused."""
+    own = _external_info(tensor).get(BASEPATH_KEY)
+    if own is not None:
+        scratch = None if _scratch_root is None else Path(os.path.realpath(_scratch_root))
+        if scratch is None or Path(os.path.realpath(own)) != scratch:
+            raise UnsafeExternalDataError(
+                f"Tensor '{tensor.name}' names its own external-data folder '{own}' ('{BASEPATH_KEY}'), which only "
+                f"onnxport's scratch tensors may do; a model's external data must stay inside its folder."
+            )
+        return scratch
+    if base is None:
         raise InvalidArgumentError(
             f"Tensor '{tensor.name}' refers to external data whose folder is unknown; load the model from its "
             f"path (or with onnx.load(path), weights included)."
         )
-    return Path(folder) / info.get("location", ""), int(info.get("offset", 0)), int(info.get("length", -1))
+    return Path(base)
+
+
+def external_source(tensor: onnx.TensorProto, base: str | os.PathLike | None) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes; length -1 when the file says none.
+
+    The file is confined to the model's folder (see :func:`external_folder`); anything else is an
+    :class:`~onnxport.errors.UnsafeExternalDataError` before a byte is read.
+    """
+    info = _external_info(tensor)
+    file = _inside(external_folder(tensor, base), info.get("location", ""), tensor.name)
+    try:
+        offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+    except ValueError:
+        raise InvalidArgumentError(
+            f"Tensor '{tensor.name}' gives its external data's offset/length as "
+            f"{info.get('offset')!r}/{info.get('length')!r}, which are not integers."
+        ) from None
+    if offset < 0 or length < -1:
+        raise InvalidArgumentError(f"Tensor '{tensor.name}' gives a negative external-data offset or length.")
+    return file, offset, length
+
+
+def check_external_locations(model: onnx.ModelProto, base: str | os.PathLike | None) -> None:
+    """Every external tensor (subgraphs included) names a file inside ``base``; a named error otherwise."""
+    for tensor in onnx.external_data_helper._get_all_tensors(model):  # initializers and attributes, bodies too
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            external_source(tensor, base)
 
 
 def check_external_data(model: onnx.ModelProto, base: str | os.PathLike | None) -> None:
-    """Every external tensor's bytes exist where the model says: a named error before any work."""
-    for tensor in _all_initializers(model):
+    """Every external tensor's bytes exist where the model says, inside its folder: a named error
+    before any work."""
+    for tensor in onnx.external_data_helper._get_all_tensors(model):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         file, offset, length = external_source(tensor, base)
@@ -324,34 +388,75 @@ def staged_output(output_path: str | os.PathLike) -> Iterator[Path]:
 
     Yields the path to write to, inside a private folder beside ``output_path``. The block may
     write scratch files in that folder too. When it returns, the model and the external-data
-    files it refers to are moved beside ``output_path`` and everything else is dropped; on an exception the folder and all it holds are
-    removed and ``output_path`` is left untouched.
+    files it refers to are moved beside ``output_path`` and everything else is dropped; on an
+    exception the folder and all it holds are removed and ``output_path`` is left untouched.
+
+    A model and its data cannot be replaced in one step. Data files already at the target are
+    moved into the stage first, the new ones take their places, and the model is replaced last;
+    if any move fails, the old files are moved back, so the previous model never points at new
+    data.
     """
     target = Path(output_path)
     directory = target.parent if str(target.parent) else Path(".")
     stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=directory))
+    moved_aside: list[tuple[Path, Path]] = []  # (old file now in the stage, where it was)
+    placed: list[Path] = []  # new data files moved to the target folder where none was before
     try:
         staged = stage / target.name
         yield staged
         if not staged.is_file():
             raise AssertionError(f"The staged model '{staged}' was never written.")  # a writer's bug
         # Only the model and the external data it names leave the stage; scratch files the block
-        # wrote beside them are dropped with it. Data first, the model last: the model commits.
-        for item in external_data_files(staged):
+        # wrote beside them are dropped with it.
+        data = external_data_files(staged)
+        for item in data:
             if item.parent != stage or not item.is_file():
                 raise AssertionError(f"The staged model refers to external data '{item}' outside its stage.")
-            os.replace(item, directory / item.name)
-        os.replace(staged, target)
+        for number, item in enumerate(data):
+            final = directory / item.name
+            if final.exists():
+                aside = stage / f".previous-{number}"
+                os.replace(final, aside)
+                moved_aside.append((aside, final))
+            else:
+                placed.append(final)
+            os.replace(item, final)
+        os.replace(staged, target)  # the commit: from here on the new model and its data stand
+        moved_aside.clear()
+        placed.clear()
     except OSError as error:
+        restored = _restore(moved_aside, placed)
         if isinstance(error, WriteError):
             raise
+        if not restored:
+            state = "; the previous model's external data could not all be moved back, so check it before use"
+        elif target.exists():
+            state = " and the previous file is untouched"
+        else:
+            state = ""
         raise WriteError(
-            f"Writing '{target}' failed part-way ({error.strerror or error}); nothing was left behind"
-            f"{' and the previous file is untouched' if target.exists() else ''}. Free space or raise the limit, "
-            f"then write again."
+            f"Writing '{target}' failed part-way ({error.strerror or error}); nothing was left behind{state}. "
+            f"Free space or raise the limit, then write again."
         ) from error
+    except BaseException:
+        _restore(moved_aside, placed)
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _restore(moved_aside: list[tuple[Path, Path]], placed: list[Path]) -> bool:
+    """Undo a part-way commit: new data files out, the previous ones back. True when all went back."""
+    whole = True
+    for path in placed:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    for aside, final in reversed(moved_aside):
+        try:
+            os.replace(aside, final)
+        except OSError:
+            whole = False
+    return whole
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

@@ -27,8 +27,18 @@ def check_choice(value: object, choices: Sequence[object], argument: str) -> obj
     return value
 
 
+class UnsafeExternalDataError(InvalidArgumentError):
+    """A model names external data outside its own folder (``..``, an absolute path, a link that
+    leads out, or a ``basepath`` entry onnxport did not write); refused before a byte is read."""
+
+
 class ExportRefusedError(OnnxportError, RuntimeError):
     """A produced file broke one of its promises (opset, outputs, placement…); nothing was kept."""
+
+
+class DependencyError(OnnxportError, RuntimeError):
+    """A library onnxport drives (torchao, torch.export, ONNX Runtime) failed on this model or
+    machine; its own error is named in the message and chained as the cause."""
 
 
 class WriteError(OnnxportError, OSError):
@@ -46,3 +56,8 @@ class PerformanceWarning(OnnxportWarning):
 
 class RuntimePrecisionWarning(OnnxportWarning):
     """The file is correct, but a runtime's default setting computes it less exactly than the model."""
+
+
+class VacuousCheckWarning(OnnxportWarning):
+    """A check that cannot fail on this input: the reference gives (nearly) one output, or one
+    class, for every sample, so any file that computes that one value agrees with it."""
