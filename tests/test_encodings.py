@@ -345,6 +345,42 @@ def test_tensors_inside_if_bodies_can_be_named():  # §4.1 #11
     np.testing.assert_allclose(run(q, {"input": x})[0], -fake_quant(np.maximum(x, 0), 0.125, 0, 0, 255), atol=1e-6)
 
 
+def _if_model() -> onnx.ModelProto:
+    """input → Sigmoid → outer; If(cond): then reads outer and a branch-local constant, else negates."""
+    then = helper.make_graph([
+        helper.make_node("Constant", [], ["k_then"], value=numpy_helper.from_array(np.full(4, 2.0, np.float32), "k")),
+        helper.make_node("Relu", ["outer"], ["then_mid"]),
+        helper.make_node("Mul", ["then_mid", "k_then"], ["then_out"]),
+    ], "then", [], [helper.make_tensor_value_info("then_out", T.FLOAT, [2, 4])])
+    other = helper.make_graph([helper.make_node("Neg", ["outer"], ["else_out"])], "else", [],
+                              [helper.make_tensor_value_info("else_out", T.FLOAT, [2, 4])])
+    return _model([helper.make_node("Sigmoid", ["input"], ["outer"]),
+                   helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=other),
+                   helper.make_node("Add", ["branch", "outer"], ["output"])],
+                  [helper.make_tensor_value_info("input", T.FLOAT, [2, 4]), helper.make_tensor_value_info("cond", T.BOOL, [])],
+                  [helper.make_tensor_value_info("output", T.FLOAT, [2, 4])], [])
+
+
+@pytest.mark.parametrize("prequantize", [False, True])
+@pytest.mark.parametrize("names", [["then_mid", "k_then"], ["outer", "then_mid", "k_then"], ["outer", "then_mid"]])
+def test_encodings_inside_if_branches_give_a_checked_sorted_model(names, prequantize):
+    """Q/DQ pairs are appended to the graph that holds their tensor and every graph is sorted.
+    With a pair in the main graph too, the bodies were reordered on copies the model no longer
+    held, and a branch read its pair before making it."""
+    model = _if_model()
+    enc = {"version": "2.0.0", "encodings": [
+        {"name": n, "output_dtype": "int8" if n.startswith("k") else "uint8", "y_scale": 0.125} for n in names]}
+    q = encodings_to_onnx_qdq(model, enc, prequantize_constants=prequantize)
+    onnx.checker.check_model(q, full_check=True)
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    outer = 1 / (1 + np.exp(-x))
+    if "outer" in names:
+        outer = fake_quant(outer, 0.125, 0, 0, 255)
+    mid = fake_quant(np.maximum(outer, 0), 0.125, 0, 0, 255)
+    for cond, expected in ((True, mid * 2.0 + outer), (False, -outer + outer)):
+        np.testing.assert_allclose(run(q, {"input": x, "cond": np.array(cond)})[0], expected, atol=1e-6)
+
+
 def test_scalar_scale_with_one_element_zero_point():  # §4.1 #20
     q = encodings_to_onnx_qdq(conv_model(), {"version": "2.0.0", "encodings": [
         {"name": "input", "output_dtype": "uint8", "y_scale": 0.1, "y_zero_point": [3]}]}, force_activation_as=None)

@@ -284,32 +284,36 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not RANDOM, da
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@pytest.mark.parametrize("version", ["2.0.0", "2.1.0"])
-def test_fuzz_v2(version):
+def fuzz(strategy) -> Counter:
+    """Run the fuzz cases of one starting point and check that they both converted and refused a
+    real share: a suite that only refused (or only converted) would test one path alone."""
+    before = OUTCOMES.copy()
+
     @FUZZ
-    @given(malformed(valid_v2(version)))
+    @given(malformed(strategy))
     def run(case):
         check_case(case)
 
     run()
+    mine = OUTCOMES - before
+    total = mine["converted"] + mine["refused"]
+    print(f"\nencodings fuzz: {total} cases, {mine['converted']} converted "
+          f"({mine['converted, no ORT kernel']} of them with no ORT CPU kernel), {mine['refused']} refused")
+    assert total > 0 and mine["converted"] >= 0.05 * total and mine["refused"] >= 0.3 * total, dict(mine)
+    return mine
+
+
+@pytest.mark.parametrize("version", ["2.0.0", "2.1.0"])
+def test_fuzz_v2(version):
+    fuzz(valid_v2(version))
 
 
 def test_fuzz_v100():
-    @FUZZ
-    @given(malformed(valid_v100()))
-    def run(case):
-        check_case(case)
-
-    run()
+    fuzz(valid_v100())
 
 
 def test_fuzz_v061():
-    @FUZZ
-    @given(malformed(valid_v061()))
-    def run(case):
-        check_case(case)
-
-    run()
+    fuzz(valid_v061())
 
 
 @pytest.mark.parametrize("strategy", [valid_v2("2.0.0"), valid_v2("2.1.0"), valid_v100(), valid_v061()],
@@ -328,11 +332,142 @@ def test_every_starting_point_converts(strategy):
     run()
 
 
-def test_fuzz_outcomes_are_mixed():
-    """The fuzz tests above ran (this file's order) and both converted and refused a real share."""
-    total = OUTCOMES["converted"] + OUTCOMES["refused"]
-    if total == 0:
-        pytest.skip("the fuzz tests did not run in this session")
-    print(f"\nencodings fuzz: {total} cases, {OUTCOMES['converted']} converted "
-          f"({OUTCOMES['converted, no ORT kernel']} of them with no ORT CPU kernel), {OUTCOMES['refused']} refused")
-    assert OUTCOMES["converted"] >= 0.05 * total and OUTCOMES["refused"] >= 0.3 * total
+# -- hostile files: external data that leads out of the model's folder --------------------------------
+def _external(name: str, values: np.ndarray, location: str, extra: tuple = ()) -> onnx.TensorProto:
+    tensor = numpy_helper.from_array(values, name)
+    tensor.ClearField("raw_data")
+    tensor.data_location = T.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", str(values.nbytes)), *extra):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
+def _hostile_models(folder, location: str, extra: tuple) -> dict[str, str]:
+    """A float model and a Q/DQ model in ``folder`` whose weights name ``location``."""
+    x = helper.make_tensor_value_info("x", T.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", T.FLOAT, [2, 8])
+    opset = [helper.make_opsetid("", 17)]
+    w = np.zeros((8, 8), np.float32)
+    float_model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "f", [x], [y], [_external("W", w, location, extra)]),
+        opset_imports=opset)
+    qdq_model = helper.make_model(helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["Wq", "s"], ["Wd"]), helper.make_node("MatMul", ["x", "Wd"], ["y"])],
+        "q", [x], [y], [_external("Wq", w.astype(np.int8), location, extra), _external("s", np.array(0.5, np.float32), location, extra)]),
+        opset_imports=opset)
+    paths = {}
+    for kind, model in (("float", float_model), ("qdq", qdq_model)):
+        paths[kind] = str(folder / f"{kind}.onnx")
+        onnx.save(model, paths[kind])
+    return paths
+
+
+def _readers():
+    import torch
+
+    from onnxport import (ONNXModel, check_target, compare_layers, compare_onnx, compare_qdq, qdq_report, qdq_stats,
+                          save_model, verify_onnx)
+    from onnxport.encodings import onnx_qdq_to_encodings
+
+    linear = torch.nn.Linear(8, 8, bias=False).eval()
+    sample = torch.randn(2, 8)
+    enc = {"version": "2.0.0", "encodings": [{"name": "W", "output_dtype": "int8", "y_scale": 0.1}]}
+    return {
+        "ONNXModel": lambda p, out: ONNXModel(p["float"]),
+        "encodings": lambda p, out: encodings_to_onnx_qdq(p["float"], enc),
+        "encodings prequantized": lambda p, out: encodings_to_onnx_qdq(p["float"], enc, prequantize_constants=True),
+        "streaming save": lambda p, out: save_model(_loaded_header(p["float"]), out),
+        "qdq_stats": lambda p, out: qdq_stats(p["qdq"]),
+        "qdq_report": lambda p, out: qdq_report(p["qdq"], ort=False),
+        "check_target": lambda p, out: check_target(p["qdq"], "onnxruntime"),
+        "onnx_qdq_to_encodings": lambda p, out: onnx_qdq_to_encodings(p["qdq"]),
+        "compare_onnx": lambda p, out: compare_onnx(linear, p["float"], sample),
+        "verify_onnx": lambda p, out: verify_onnx(linear, p["float"], sample),
+        "compare_qdq": lambda p, out: compare_qdq(linear, p["qdq"], sample),
+        "compare_layers": lambda p, out: compare_layers(None, p["qdq"], sample, optimized=True),
+    }
+
+
+def _loaded_header(path: str) -> onnx.ModelProto:
+    """The model as encodings_to_onnx_qdq hands back one whose weights stay on disk."""
+    model = onnx.load(path, load_external_data=False)
+    model.metadata_props.add(key="onnxport.external_data_dir", value=os.path.dirname(path))
+    return model
+
+
+HOSTILE = {
+    "parent": ("../outside.bin", ()),
+    "absolute": (None, ()),  # the outside file's absolute path
+    "through a subfolder": ("sub/../../outside.bin", ()),
+    "a link that leads out": ("link.bin", ()),
+    "basepath": ("outside.bin", (("basepath", None),)),
+}
+
+
+@pytest.mark.parametrize("reader", list(_readers()))
+@pytest.mark.parametrize("how", list(HOSTILE))
+def test_external_data_outside_the_model_folder_is_refused_by_every_reader(tmp_path, how, reader):
+    from onnxport.errors import UnsafeExternalDataError
+
+    secret = tmp_path / "outside.bin"
+    secret.write_bytes(np.arange(64, dtype=np.float32).tobytes())
+    folder = tmp_path / "model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "link.bin").symlink_to(secret)
+    location, extra = HOSTILE[how]
+    location = location or str(secret)
+    extra = tuple((k, v or str(tmp_path)) for k, v in extra)
+    paths = _hostile_models(folder, location, extra)
+    out = tmp_path / "out"
+    out.mkdir()
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    with pytest.raises(UnsafeExternalDataError, match="outside|absolute path|basepath"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _readers()[reader](paths, out / "m.onnx")
+    assert list(out.iterdir()) == [] and {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+# -- hostile files: huge inputs are refused fast --------------------------------------------------------
+def _deep(depth: int) -> list:
+    value: list | float = 0.1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _lpbq_stranger(i: int) -> dict:
+    return {"name": f"stranger_{i}", "output_dtype": "int4", "block_size": 2, "axis": 0,
+            "y_scale": {"x": [[3, 5]] * 4, "x_scale": [0.01] * 4, "axis": 0}}
+
+
+HUGE = {
+    "100,000 unknown names (2.1.0 LPBQ meta)": lambda: {"version": "2.1.0", "encodings": [_lpbq_stranger(i) for i in range(100_000)]},
+    "100,000 unknown names (1.0.0)": lambda: {"version": "1.0.0", "param_encodings": [], "activation_encodings": [
+        {"name": f"s{i}", "dtype": "INT", "enc_type": "PER_TENSOR", "bw": 8, "is_sym": False, "scale": [0.1], "offset": [0]}
+        for i in range(100_000)]},
+    "100,000 unknown names (0.6.1)": lambda: {"version": "0.6.1", "param_encodings": {}, "activation_encodings": {
+        f"s{i}": [{"bitwidth": 8, "scale": 0.1, "offset": 0, "min": 0.0, "max": 1.0, "is_symmetric": "False", "dtype": "int"}]
+        for i in range(100_000)}},
+    "one name 100,000 times": lambda: {"version": "2.0.0", "encodings": [{"name": "W", "output_dtype": "int8", "y_scale": 0.1}] * 100_000},
+    "2,000,000 scales, the last a string": lambda: {"version": "2.0.0", "encodings": [
+        {"name": "W", "output_dtype": "int8", "axis": 1, "y_scale": [0.1] * 2_000_000 + ["0.1"]}]},
+    "3,000,000 zero-points": lambda: {"version": "2.0.0", "encodings": [
+        {"name": "W", "output_dtype": "int8", "axis": 1, "y_scale": [0.1] * 6, "y_zero_point": [0] * 3_000_000}]},
+    "lists nested 100,000 deep": lambda: {"version": "2.0.0", "encodings": [{"name": "W", "output_dtype": "int8", "y_scale": _deep(100_000)}]},
+    "an integer of 20,000 digits": lambda: {"version": "2.0.0", "encodings": [{"name": "W", "output_dtype": "int8", "y_scale": 10**20_000}]},
+    "a name of 10 MB": lambda: {"version": "2.0.0", "encodings": [{"name": "W" * 10_000_000, "output_dtype": "int8", "y_scale": 0.1}]},
+}
+HUGE_LIMIT_S = 3
+
+
+@pytest.mark.parametrize("how", list(HUGE))
+def test_huge_malformed_files_are_refused_fast(how):
+    import time
+
+    data = HUGE[how]()
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgumentError) as refusal, time_limit(2 * HUGE_LIMIT_S):
+        encodings_to_onnx_qdq(MODEL, data)
+    elapsed = time.perf_counter() - start
+    assert elapsed < HUGE_LIMIT_S, f"refusing took {elapsed:.1f} s"
+    assert len(str(refusal.value)) < 2_000, "the message repeats the input instead of naming it"

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .._graph import all_names, opset_of, tensor_value, unique_name, walk_graphs
 from .._io import ScratchTensors, check_external_data, external_source, read_onnx
-from ..errors import InvalidArgumentError, OnnxportWarning
+from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
     DTYPES,
@@ -410,7 +410,9 @@ def _sort_in_place(model: onnx.ModelProto) -> None:
     view, pairs = _ir_index(model)
     position = {id(node): index for _, ir_graph in pairs for index, node in enumerate(ir_graph)}
     TopologicalSortPass()(view)
-    for proto_graph, ir_graph in pairs:
+    # Bodies before the graphs that hold them: replacing a graph's nodes copies each node, so a
+    # body reordered after its If node moved would be edited on a copy the model no longer holds.
+    for proto_graph, ir_graph in reversed(pairs):
         order = [position[id(node)] for node in ir_graph]
         if order != sorted(order):
             nodes = [proto_graph.node[i] for i in order]
@@ -502,12 +504,14 @@ def encodings_to_onnx_qdq(
             f"force_activation_as must be 'unsigned', 'signed' or None, not {force_activation_as!r}."
         )
     # the whole file, before the graph
-    parsed = parse_encodings(load_encodings(encodings), allow_subnormal_scales=allow_subnormal_scales)
-    work, base = _load_model(model)
+    data = load_encodings(encodings)
+    work, base = _load_model(model)  # names and shapes only: weights stay on disk
+    # the whole file before the graph is touched; a name the model lacks is refused before values
+    parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=all_names(work))
     _float_gate(work)
     info, readers, defined = _index(work)
     missing = sorted(e.name for e in parsed.entries if e.name not in info)
-    if missing:
+    if missing:  # a node's or an op's name, not a tensor's
         raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
     entries: list[Encoding] = []
     read, parsed.entries = parsed.entries, []  # each entry is held once: resolved replaces read
@@ -568,7 +572,7 @@ def _check(model: onnx.ModelProto, base: Path | None) -> None:
     checked instead when the result is saved (``save_model`` checks the written file).
     """
     if not _has_external(model):
-        onnx.checker.check_model(model)
+        _checked(model)
         return
     shell = onnx.ModelProto()
     shell.CopyFrom(model)
@@ -580,7 +584,19 @@ def _check(model: onnx.ModelProto, base: Path | None) -> None:
                 del tensor.dims[:]
                 tensor.dims.append(0)
                 tensor.raw_data = b""
-    onnx.checker.check_model(shell)
+    _checked(shell)
+
+
+def _checked(model: onnx.ModelProto) -> None:
+    """The full checker, bodies included; a model it rejects is never returned."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise ExportRefusedError(
+            f"The converted model does not pass onnx.checker, so it was not returned: "
+            f"{str(error).strip().splitlines()[0]} This is a defect in onnxport's conversion; please report it "
+            f"with the model and encodings."
+        ) from error
 
 
 def _has_external(model: onnx.ModelProto) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -250,23 +250,62 @@ _FLOAT32 = np.finfo(np.float32)
 _INTEGER_LIMIT = 2**53
 
 
-def _json_numbers(value: Any) -> str | None:
-    """Why ``value`` is not a number or a (nested) list of numbers, or None when it is one."""
+def shown_name(name: str, limit: int = 80) -> str:
+    """A tensor name as an error message shows it: whole, or its start when it is very long."""
+    return name if len(name) <= limit else f"{name[:limit]}… ({len(name)} characters)"
+
+
+#: Deeper nesting than this is no tensor's layout (ONNX tensors have a handful of axes); refusing
+#: it early keeps a malicious file from exhausting the interpreter's recursion.
+_MAX_NESTING = 32
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
+
+
+def _json_scalar(value: Any) -> str | None:
+    """Why one JSON value is not a number, or None when it is one."""
     if isinstance(value, bool):
         return f"holds a non-numeric value, a boolean ({json.dumps(value)}), where a number is expected"
     if isinstance(value, str):
-        return (f"holds a non-numeric value, a string ({json.dumps(value)[:40]}), where a number is expected; "
+        return (f"holds a non-numeric value, a string ({json.dumps(value[:40])}), where a number is expected; "
                 f"write the number itself, unquoted")
-    if isinstance(value, (int, float)):
-        return None
-    if isinstance(value, (list, tuple)):
-        for inner in value:
-            why = _json_numbers(inner)
-            if why:
-                return why
+    if isinstance(value, int):
+        return None if abs(value) <= _FLOAT64_MAX else f"holds an integer of {value.bit_length()} bits, beyond any float"
+    if isinstance(value, float):
         return None
     kind = "null" if value is None else "an object" if isinstance(value, dict) else type(value).__name__
     return f"holds a non-numeric value, {kind}, where a number is expected"
+
+
+def _json_numbers(value: Any) -> str | None:
+    """Why ``value`` is not a number or a (nested) list of numbers, or None when it is one."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (list, tuple)):
+            why = _json_scalar(item)
+            if why:
+                return why
+            continue
+        if depth >= _MAX_NESTING:
+            return f"nests lists more than {_MAX_NESTING} deep, which no tensor's layout does"
+        kinds = set(map(type, item))
+        if kinds <= {float}:
+            continue  # the common case, a flat list of floats: no per-element work
+        if kinds <= {int, float}:
+            big = next((v for v in item if type(v) is int and abs(v) > _FLOAT64_MAX), None)
+            if big is not None:
+                return _json_scalar(big)
+            continue
+        nested = []
+        for inner in item:
+            if isinstance(inner, (list, tuple)):
+                nested.append((inner, depth + 1))
+            elif type(inner) is not float:
+                why = _json_scalar(inner)
+                if why:
+                    return why
+        stack.extend(reversed(nested))
+    return None
 
 
 def _as_read(array: np.ndarray, mask: np.ndarray) -> str:
@@ -316,7 +355,7 @@ class _Field:
 
     def fail(self, field_name: str, why: str) -> InvalidArgumentError:
         return InvalidArgumentError(
-            f"Encoding of '{self.name}' (version {self.version}), field '{self.prefix}{field_name}': {why}"
+            f"Encoding of '{shown_name(self.name)}' (version {self.version}), field '{self.prefix}{field_name}': {why}"
         )
 
     def numbers(self, entry: dict, key: str, *, positive: bool = False, scalar: bool = False) -> np.ndarray:
@@ -351,8 +390,8 @@ class _Field:
     def int_field(self, entry: dict, key: str, low: int = 1, high: int = 64) -> int:
         value = entry[key]
         good = (
-            not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            and value == int(value) and low <= value <= high
+            not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value <= high
+            and math.isfinite(value) and value == int(value)
         )
         if not good:
             raise self.fail(key, f"must be an integer from {low} to {high}, not {value!r}.")
@@ -670,11 +709,17 @@ class ParsedEncodings:
     omitted: list[str]  # float16/bfloat16 plain casts
 
 
-def parse_encodings(data: dict | StreamedEncodings, *, allow_subnormal_scales: bool = False) -> ParsedEncodings:
+def parse_encodings(
+    data: dict | StreamedEncodings, *, allow_subnormal_scales: bool = False, known: Container[str] | None = None,
+) -> ParsedEncodings:
     """Validate a whole encodings file and normalise every entry (no graph needed).
 
     Every number is checked in the type it will be written in: scales as float32 (finite,
     positive, and normal unless ``allow_subnormal_scales``), zero-points in their integer type.
+
+    ``known``: the tensor names the model has. An entry naming any other is refused, listing
+    every such name, and once one is found no further entry's values are parsed: refusing a
+    file of 100,000 strangers costs a name look-up each, not a parse each.
     """
     version = data.get("version")
     if version not in VERSIONS:
@@ -686,8 +731,14 @@ def parse_encodings(data: dict | StreamedEncodings, *, allow_subnormal_scales: b
         raise InvalidArgumentError(f"allow_subnormal_scales must be True or False, not {allow_subnormal_scales!r}.")
     entries: list[Encoding] = []
     omitted: list[str] = []
+    unknown: list[str] = []
 
-    def keep(result: Encoding | str, name: str) -> None:
+    def keep(parse: Callable[[], Encoding | str], name: str) -> None:
+        if known is not None and name not in known:
+            unknown.append(name)
+        if unknown:
+            return  # the file is refused anyway: spend nothing more on values
+        result = parse()
         if isinstance(result, str):
             omitted.append(name)
         else:
@@ -703,7 +754,7 @@ def parse_encodings(data: dict | StreamedEncodings, *, allow_subnormal_scales: b
                 if names.get(name, key) != key:
                     raise InvalidArgumentError(f"Tensor(s) ['{name}'] appear in both 'param_encodings' and 'activation_encodings'; each tensor is one or the other.")
                 names[name] = key
-                keep(_parse_061(name, value, kind, allow_subnormal_scales), name)
+                keep(lambda: _parse_061(name, value, kind, allow_subnormal_scales), name)
     elif version == "1.0.0":
         seen: dict[str, str] = {}
         for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
@@ -716,7 +767,7 @@ def parse_encodings(data: dict | StreamedEncodings, *, allow_subnormal_scales: b
                     where = "twice in" if seen[name] == key else "in both 'param_encodings' and 'activation_encodings' of"
                     raise InvalidArgumentError(f"Tensor '{name}' appears {where} the file; each tensor takes one encoding.")
                 seen[name] = key
-                keep(_parse_100(entry, kind, allow_subnormal_scales), name)
+                keep(lambda: _parse_100(entry, kind, allow_subnormal_scales), name)
     else:
         found, section = _section(data, "encodings", list, None)
         if found is not list:
@@ -727,7 +778,13 @@ def parse_encodings(data: dict | StreamedEncodings, *, allow_subnormal_scales: b
             if name in seen_names:
                 raise InvalidArgumentError(f"Tensor '{name}' appears twice in 'encodings'; each tensor takes one encoding.")
             seen_names.add(name)
-            keep(_parse_2x(entry, version, allow_subnormal_scales), name)
+            keep(lambda: _parse_2x(entry, version, allow_subnormal_scales), name)
+    if unknown:
+        shown = [shown_name(n) for n in sorted(unknown)[:20]]
+        raise InvalidArgumentError(
+            f"The encodings name {len(unknown)} tensor(s) the model does not have: {shown}"
+            f"{' …' if len(unknown) > 20 else ''}. Were they written for another model (or another export of it)?"
+        )
     return ParsedEncodings(version, entries, omitted)
 
 
