@@ -85,6 +85,54 @@ def bind_sample(model: Any, sample: Any, argument: str = "sample") -> tuple[Call
     return _Uncached(model, model), as_input_tuple(sample, argument), recorded
 
 
+def file_batch(onnx_path: Any) -> int | None:
+    """The batch an ONNX file was exported with when it is fixed (the first dimension every graph
+    input shares), ``None`` when it is symbolic or the inputs disagree. Reads no weights."""
+    import onnx
+
+    model = onnx_path if isinstance(onnx_path, onnx.ModelProto) else onnx.load_model(str(onnx_path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    firsts = set()
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        if not dims or not dims[0].HasField("dim_value"):
+            return None
+        firsts.add(dims[0].dim_value)
+    return firsts.pop() if len(firsts) == 1 else None
+
+
+def split_batches(inputs: Sequence[torch.Tensor], n_batches: Any, fixed_batch: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """``inputs`` (batch first) cut into ``n_batches`` equal batches of positional inputs.
+
+    With the default ``n_batches=1`` and a file of a fixed batch (``fixed_batch``) that the sample's
+    size is a multiple of, the sample is cut into batches of the file's size: the file says its
+    batch, so the caller need not.
+    """
+    if isinstance(n_batches, bool) or not isinstance(n_batches, int) or n_batches < 1:
+        raise InvalidArgumentError(f"n_batches must be a positive integer, not {n_batches!r}.")
+    total = inputs[0].shape[0] if inputs[0].dim() else 0
+    if total == 0:
+        raise InvalidArgumentError("sample is empty: there is nothing to compare.")
+    if any(t.dim() == 0 or t.shape[0] != total for t in inputs):
+        raise InvalidArgumentError("Every input in sample must have the same batch size (its first dimension).")
+    if n_batches == 1 and fixed_batch and total != fixed_batch:
+        if total % fixed_batch:
+            raise InvalidArgumentError(
+                f"sample holds {total} inputs, but the file was exported with a fixed batch of {fixed_batch}, which "
+                f"does not divide {total}; give a sample of a multiple of {fixed_batch}."
+            )
+        n_batches = total // fixed_batch
+    if total % n_batches:
+        raise InvalidArgumentError(
+            f"sample holds {total} inputs, which does not split into {n_batches} equal batches; "
+            f"pass an n_batches that divides {total}."
+        )
+    size = total // n_batches
+    return list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs)))
+
+
 @contextlib.contextmanager
 def positional_forward(model: torch.nn.Module, names: Sequence[str] | None) -> Iterator[torch.nn.Module]:
     """``model`` taking the keyword inputs ``names`` positionally, for as long as the block runs.

@@ -272,15 +272,18 @@ def compare_onnx(
     """
     import torch
 
-    from ._inputs import bind_sample, flatten_outputs
+    from ._inputs import bind_sample, file_batch, flatten_outputs, split_batches
     from ._torch import eval_mode, require_module
 
     require_module(model)
     call, inputs, names = bind_sample(model, sample)
     onnx_model = ONNXModel(onnx_path)
+    # a file exported with a fixed batch runs the sample in batches of its own size
+    batches = split_batches(inputs, 1, file_batch(onnx_path))
     with eval_mode(model), torch.no_grad():
-        reference = [t.detach().cpu().numpy() for t in flatten_outputs(call(*inputs))]
-    got = run_inputs(onnx_model, inputs, names)
+        refs = [[t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))] for batch in batches]
+    gots = [run_inputs(onnx_model, batch, names) for batch in batches]
+    reference, got = _joined(refs), _joined(gots)
     if len(got) != len(reference):
         raise InvalidArgumentError(
             f"The file has {len(got)} outputs but the model returns {len(reference)}; was it exported from this model?"
@@ -290,6 +293,11 @@ def compare_onnx(
         rtol,
         atol,
     )
+
+
+def _joined(runs: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Each output of several batch runs, concatenated along the batch."""
+    return runs[0] if len(runs) == 1 else [np.concatenate(parts) for parts in zip(*runs)]
 
 
 def run_inputs(runner: ONNXModel, inputs: tuple, names: Sequence[str] | None) -> list[np.ndarray]:

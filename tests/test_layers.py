@@ -176,3 +176,29 @@ def test_cli_debug_prints_writes_json_and_exits_1_on_a_divergence(resnet_file, t
     assert json.loads(out.read_text())["first_divergence"]["onnx_node"] == node
     clean = subprocess.run(cmd[:5] + [str(path), "--input-shape", "2,3,32,32"], capture_output=True, text=True, check=False)
     assert clean.returncode == 0 and "follows the model" in clean.stdout, clean.stderr
+
+
+def test_a_sample_larger_than_the_files_fixed_batch_is_run_in_batches_of_it(tmp_path):
+    """The file says its batch: every comparison cuts the sample into batches of it, without
+    n_batches, and refuses by name a sample that is not a multiple of it."""
+    from onnxport import compare_onnx, compare_qdq, export_onnx, verify_onnx, verify_qdq
+
+    torch.manual_seed(0)
+    model = GeluMLP().eval()
+    x = torch.randn(16, 16)
+    quantized = Quantizer().quantize(model, [x[:8], x[8:]])
+    qdq_path, float_path = tmp_path / "fixed8.onnx", tmp_path / "float8.onnx"
+    export_qdq(quantized, x[:8], qdq_path)  # a fixed batch of 8
+    export_onnx(model, x[:8], float_path)
+    header = onnx.load(str(qdq_path))
+    assert header.graph.input[0].type.tensor_type.shape.dim[0].dim_value == 8
+    layers = compare_layers(quantized, qdq_path, x)
+    assert layers.first_divergence is None
+    comparison = compare_qdq(quantized, qdq_path, x, optimized=False)  # the file's ONNX semantics
+    assert comparison.n_samples == 16 and comparison.outputs[0].cosine_similarity > 0.9999
+    whole = compare_qdq(quantized, qdq_path, x, n_batches=2, optimized=False)  # the seed's explicit form still works
+    assert whole.outputs[0].max_abs_error == comparison.outputs[0].max_abs_error
+    assert 0.0 <= verify_qdq(quantized, qdq_path, x) <= 1.0
+    assert compare_onnx(model, float_path, x).passed and verify_onnx(model, float_path, x)
+    with pytest.raises(InvalidArgumentError, match="fixed batch of 8, which does not divide 12"):
+        compare_qdq(quantized, qdq_path, x[:12])

@@ -445,7 +445,7 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
 
     file_model = read_onnx(onnx_path, "onnx_path", load_external_data=True)  # the probe copy runs from memory
     base = None
-    _, batches, _ = _split(model, sample, n_batches)
+    _, batches, _ = _split(model, sample, n_batches, file_model)
     if optimized:
         return _compare_optimized(file_model, batches, base)
     from .._torch import require_module

@@ -11,12 +11,8 @@ import numpy as np
 import onnx
 
 from .._graph import constants, producers, tensor_value
-from ..errors import InvalidArgumentError, OnnxportWarning
+from ..errors import InvalidArgumentError, VacuousCheckWarning
 from .rounding import check_floor_arguments, cosine, perturbed_runs
-
-
-class VacuousCheckWarning(OnnxportWarning):
-    """The reference predicts one class for every input: agreement then proves nothing."""
 
 
 @dataclass(frozen=True)
@@ -58,28 +54,14 @@ class QDQComparison:
         return "\n".join(lines)
 
 
-def _split(model: Any, sample: Any, n_batches: Any) -> tuple[Any, list[tuple], tuple[str, ...] | None]:
-    """(what to call, ``sample`` cut into ``n_batches`` equal batches of positional inputs, their
-    keyword names when given by name)."""
-    import torch
-
-    from .._inputs import bind_sample
+def _split(model: Any, sample: Any, n_batches: Any, onnx_path: Any = None) -> tuple[Any, list[tuple], tuple[str, ...] | None]:
+    """(what to call, ``sample`` cut into batches of positional inputs, their keyword names when
+    given by name): ``n_batches`` equal batches, or — by default — batches of the file's own batch
+    when it was exported with a fixed one."""
+    from .._inputs import bind_sample, file_batch, split_batches
 
     call, inputs, names = bind_sample(model, sample)
-    if isinstance(n_batches, bool) or not isinstance(n_batches, int) or n_batches < 1:
-        raise InvalidArgumentError(f"n_batches must be a positive integer, not {n_batches!r}.")
-    total = inputs[0].shape[0] if inputs[0].dim() else 0
-    if total == 0:
-        raise InvalidArgumentError("sample is empty: there is nothing to compare.")
-    if any(t.shape[0] != total for t in inputs):
-        raise InvalidArgumentError("Every input in sample must have the same batch size.")
-    if total % n_batches:
-        raise InvalidArgumentError(
-            f"sample holds {total} inputs, which does not split into {n_batches} equal batches; "
-            f"pass an n_batches that divides {total}."
-        )
-    size = total // n_batches
-    return call, list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs))), names
+    return call, split_batches(inputs, n_batches, file_batch(onnx_path) if onnx_path is not None else None), names
 
 
 def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> float | None:
@@ -139,7 +121,7 @@ def compare_qdq(
         raise InvalidArgumentError(f"rounding_floor must be True or False, not {rounding_floor!r}.")
     if rounding_floor:
         check_floor_arguments(floor_seeds, 1.0)
-    call, batches, names = _split(model, sample, n_batches)
+    call, batches, names = _split(model, sample, n_batches, onnx_path)
     options = None
     if not optimized:
         import onnxruntime as ort
@@ -208,7 +190,7 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
     from ..runtime import ONNXModel, run_inputs
 
     require_module(model)
-    call, batches, names = _split(model, sample, n_batches)
+    call, batches, names = _split(model, sample, n_batches, onnx_path)
     runner = ONNXModel(onnx_path)
     agreed = total = 0
     classes: set[int] = set()
