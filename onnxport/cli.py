@@ -1,8 +1,7 @@
 """The ``onnxport`` command line.
 
-Exit codes: 0 success, 2 bad usage (arguments or input files the command cannot act on), 1
-refusal (onnxport declined to write a file that would break a promise), 3 an error onnxport did not
-expect, 130 interrupted. Messages go to stderr, without a traceback unless ``--debug`` is given.
+Each exit code has one meaning, listed once in :data:`EXIT_CODES` (and in ``onnxport --help``).
+Messages go to stderr, without a traceback unless ``--debug`` is given.
 """
 
 from __future__ import annotations
@@ -16,7 +15,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidArgumentError, OnnxportError
+from .errors import DependencyError, InvalidArgumentError, OnnxportError, WriteError
+
+#: The command's exit codes, each with its one meaning.
+EXIT_CODES = {
+    0: "success",
+    1: "a broken promise: a file onnxport refused to write, or one 'verify'/'debug' found computing something else",
+    2: "bad usage: an argument or input file the command cannot act on (each named)",
+    3: "an error onnxport did not expect (a bug: please report it with --debug's traceback)",
+    4: "an output could not be written (disk full, a size limit, permissions); the target is left as it was",
+    5: "a library onnxport drives (torchao, torch.export, ONNX Runtime) failed on this model or machine",
+    130: "interrupted; no output was kept",
+}
+EXIT_OK, EXIT_BROKEN_PROMISE, EXIT_USAGE, EXIT_UNEXPECTED, EXIT_WRITE, EXIT_DEPENDENCY, EXIT_INTERRUPTED = EXIT_CODES
 
 
 class UsageError(Exception):
@@ -218,8 +229,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(report)
     if not report.passed:
         print("the file does not match the model within tolerance", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_BROKEN_PROMISE
+    return EXIT_OK
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
@@ -243,7 +254,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
             print(f"wrote {args.png}")
         except OnnxportError as error:
             print(f"onnxport debug: no picture: {error}", file=sys.stderr)
-    return 1 if report.first_divergence is not None and report.first_divergence.cause != "rounding" else 0
+    return EXIT_BROKEN_PROMISE if report.first_divergence is not None and report.first_divergence.cause != "rounding" else EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -258,7 +269,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .qdq.targets import TARGETS
 
-    parser = argparse.ArgumentParser(prog="onnxport", description="PyTorch to deployable ONNX, every claim checked on the file.")
+    parser = argparse.ArgumentParser(
+        prog="onnxport", description="PyTorch to deployable ONNX, every claim checked on the file.",
+        epilog="exit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -353,30 +368,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UsageError as error:
-        if args.debug:
-            raise
-        print(f"onnxport {args.command}: {error}", file=sys.stderr)
-        return 2
-    except InvalidArgumentError as error:  # an input the command cannot act on: bad usage
-        if args.debug:
-            raise
-        print(f"onnxport {args.command}: {error}", file=sys.stderr)
-        return 2
-    except OnnxportError as error:
-        if args.debug:
-            raise
-        print(f"onnxport {args.command}: refused: {error}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"onnxport {args.command}: interrupted; no output was kept.", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as error:  # the promise is: no traceback without --debug
         if args.debug:
             raise
-        print(f"onnxport {args.command}: failed on an error onnxport did not expect: {type(error).__name__}: "
-              f"{error}. Run again with --debug for the traceback, and please report it.", file=sys.stderr)
-        return 3
+        code = exit_code(error)
+        if code == EXIT_UNEXPECTED:
+            message = (f"failed on an error onnxport did not expect: {type(error).__name__}: {error}. Run again with "
+                       f"--debug for the traceback, and please report it.")
+        else:
+            prefix = {EXIT_BROKEN_PROMISE: "refused: ", EXIT_WRITE: "could not write: ",
+                      EXIT_DEPENDENCY: "a library failed: "}.get(code, "")
+            message = f"{prefix}{error}"
+        print(f"onnxport {args.command}: {message}", file=sys.stderr)
+        return code
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code an exception ends the command with (see :data:`EXIT_CODES`)."""
+    if isinstance(error, (UsageError, InvalidArgumentError)):
+        return EXIT_USAGE
+    if isinstance(error, WriteError):
+        return EXIT_WRITE
+    if isinstance(error, DependencyError):
+        return EXIT_DEPENDENCY
+    if isinstance(error, OnnxportError):
+        return EXIT_BROKEN_PROMISE
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -196,3 +196,62 @@ def test_broken_model_and_calibration_files_are_named_usage_errors(tmp_path):
         result = onnxport("qdq", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out), "--calibration", path)
         assert result.returncode == 2 and path in result.stderr and "Traceback" not in result.stderr, (name, result.stderr)
     assert not out.exists()
+
+
+def test_exit_codes_have_one_meaning_each_and_help_lists_them():
+    from onnxport.cli import EXIT_CODES, exit_code
+    from onnxport.errors import DependencyError, ExportRefusedError, InvalidArgumentError, WriteError
+
+    assert sorted(EXIT_CODES) == [0, 1, 2, 3, 4, 5, 130]
+    assert [exit_code(e) for e in (InvalidArgumentError("x"), ExportRefusedError("x"), WriteError("x"),
+                                   DependencyError("x"), KeyboardInterrupt(), ZeroDivisionError("x"))] == [2, 1, 4, 5, 130, 3]
+    result = onnxport("--help")
+    assert result.returncode == 0 and all(meaning[:30] in " ".join(result.stdout.split()) for meaning in EXIT_CODES.values())
+
+
+def test_a_write_failure_exits_4_not_as_a_refusal(tmp_path):
+    """A full disk (here a file-size limit) is not onnxport refusing the model."""
+    import resource
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+    out = tmp_path / "m.onnx"
+    result = subprocess.run([sys.executable, "-m", "onnxport", "export", "tests.cli_models:tiny", "--input-shape", "1,3,8,8",
+                             "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600, preexec_fn=small_files)
+    assert result.returncode == 4, result.stderr
+    assert "could not write" in result.stderr and "refused" not in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unexpected_error_exits_3_with_a_report_request(monkeypatch, capsys, tmp_path):
+    import onnxport
+    from onnxport import cli
+
+    path = tmp_path / "m.onnx"
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [onnx.helper.make_tensor_value_info("x", 1, [1])],
+        [onnx.helper.make_tensor_value_info("y", 1, [1])])), str(path))
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(onnxport, "qdq_report", broken)
+    assert cli.main(["stats", str(path)]) == 3
+    err = capsys.readouterr().err
+    assert "did not expect: ZeroDivisionError: a bug" in err and "--debug" in err and "Traceback" not in err
+
+
+def test_an_interrupt_exits_130_and_keeps_no_output(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "demo"
+    process = subprocess.Popen([sys.executable, "-m", "onnxport", "demo", "--quick", "--no-progress", "--out", str(out)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)  # past the imports, into the work
+    assert process.poll() is None, "the demo ended before it could be interrupted"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())

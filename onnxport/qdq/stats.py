@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from .._graph import all_constants, consumers, is_default_domain, opset_of, producers, walk_graphs
-from ..errors import OnnxportError
+from ..errors import InvalidArgumentError
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from .view import QDQNode, qdq_nodes
 
@@ -94,13 +94,13 @@ def _stats(model: onnx.ModelProto, base: Path | None, nodes: list[QDQNode] | Non
     for q in nodes:
         counts["q" if q.op_type == "QuantizeLinear" else "dq"] += 1
         if q.scale is None:
-            raise OnnxportError(f"Cannot read the scale of node '{q.name}': '{q.node.input[1]}' is not a graph constant.")
+            raise InvalidArgumentError(f"Cannot read the scale of node '{q.name}': '{q.node.input[1]}' is not a graph constant.")
         counts["per_channel"] += q.per_channel
         counts["blocked"] += bool(q.block_size)
         counts["int4"] += q.int4
         if q.zero_point_input:
             if q.zero_point is None:
-                raise OnnxportError(
+                raise InvalidArgumentError(
                     f"Cannot read the zero_point of node '{q.name}': '{q.zero_point_input}' is not a graph constant."
                 )
             counts["uint8"] += q.zero_point.data_type == onnx.TensorProto.UINT8

@@ -14,7 +14,7 @@ from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
 from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
 from .._torch import require_module
-from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning, check_choice
+from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError, OnnxportWarning, check_choice
 from ..qdq.targets import TARGETS, target_record
 from .annotate import AnnotationContext, annotate_graph
 from .batch_norm import retarget_inference_batch_norms
@@ -469,7 +469,7 @@ class Quantizer:
                 warnings.simplefilter("ignore")
                 quantize_(work, Int8DynamicActivationInt8WeightConfig())
         except Exception as error:
-            raise OnnxportError(
+            raise DependencyError(
                 f"torchao could not apply '{self.method}' on this CPU: {type(error).__name__}: "
                 f"{(str(error).strip().splitlines() or [''])[0]}."
             ) from error

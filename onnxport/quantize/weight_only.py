@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..errors import InvalidArgumentError, OnnxportError
+from ..errors import DependencyError, InvalidArgumentError
 
 #: The torchao methods that quantize weights only, and their integer width.
 WEIGHT_ONLY_BITS = {"int4_weight_only": 4, "int8_weight_only": 8}
@@ -121,7 +121,7 @@ def quantize_weight_only(
             warnings.simplefilter("ignore")
             quantize_(work, config, filter_fn=lambda module, fqn: fqn in chosen)
     except Exception as error:  # torchao raises assertion and runtime errors alike
-        raise OnnxportError(
+        raise DependencyError(
             f"torchao could not apply '{method}': {type(error).__name__}: "
             f"{(str(error).strip().splitlines() or [''])[0]}."
         ) from error
