@@ -76,3 +76,55 @@ def test_output_path_errors_name_the_argument(tmp_path):
         check_output_path(tmp_path)
     with pytest.raises(InvalidArgumentError, match="output_path must be"):
         check_output_path(42)
+
+
+def test_a_failed_model_replace_leaves_the_previous_model_and_its_data(tmp_path, monkeypatch):
+    """The model and its data cannot move in one step: when the model's replace fails after the
+    data moved, the previous data must come back, or the previous model reads new weights."""
+    import os
+
+    import onnxport._io as io
+    from onnxport.errors import WriteError
+
+    target = tmp_path / "m.onnx"
+    save_model(_tiny_model(), target, external_data=True)
+    before = listing(tmp_path)
+    new = _tiny_model()
+    new.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.full((1, 4096), 7.0, np.float32), "w"))
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(dst) == os.fspath(target):  # the model's own move: the commit
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", replace)
+    with pytest.raises(WriteError, match="previous file is untouched"), staged_output(target) as staged:
+        write_model(new, staged, external_data=True)
+    monkeypatch.undo()
+    assert listing(tmp_path) == before
+    loaded = onnx.load(str(target))
+    np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[0]), np.arange(4096, dtype=np.float32).reshape(1, -1))
+
+
+def test_a_failed_data_replace_leaves_no_new_data_beside_the_previous_model(tmp_path, monkeypatch):
+    import os
+
+    import onnxport._io as io
+    from onnxport.errors import WriteError
+
+    target = tmp_path / "m.onnx"
+    target.write_bytes(onnx.load_from_string(_tiny_model().SerializeToString()).SerializeToString())
+    before = listing(tmp_path)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(dst).endswith(".data"):
+            raise OSError(27, "File too large")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", replace)
+    with pytest.raises(WriteError, match="File too large"), staged_output(target) as staged:
+        write_model(_tiny_model(), staged, external_data=True)
+    monkeypatch.undo()
+    assert listing(tmp_path) == before
