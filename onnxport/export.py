@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
+from ._cpu import WEIGHT_RANGE_KEY, WEIGHT_RANGES
 from ._io import check_output_path, external_data_files, staged_output
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
 from .passes.gelu_order import GeluOrderPass
@@ -55,6 +56,7 @@ def _quantize(
     per_channel: bool,
     op_types: Sequence[str] | None,
     large: bool,
+    reduce_range: bool,
 ) -> None:
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -72,7 +74,8 @@ def _quantize(
     if mode == "dynamic":
         quantize_dynamic(
             str(pre_path), str(out_path), weight_type=types[weight_type], per_channel=per_channel,
-            op_types_to_quantize=list(op_types) if op_types else None, use_external_data_format=large,
+            reduce_range=reduce_range, op_types_to_quantize=list(op_types) if op_types else None,
+            use_external_data_format=large,
         )
         return
 
@@ -95,7 +98,7 @@ def _quantize(
         str(pre_path), str(out_path), _Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
         activation_type=types[activation_type], weight_type=types[weight_type],
         calibrate_method=method, op_types_to_quantize=list(op_types) if op_types else None,
-        use_external_data_format=large,
+        use_external_data_format=large, reduce_range=reduce_range,
     )
 
 
@@ -117,6 +120,7 @@ def export_onnx(
     weight_type: str = "int8",
     per_channel: bool = True,
     op_types_to_quantize: Sequence[str] | None = None,
+    weight_range: str = "portable",
 ) -> Path:
     """Export a PyTorch model to ONNX, optimise it, and optionally quantize it with ONNX Runtime.
 
@@ -147,6 +151,11 @@ def export_onnx(
         op_types_to_quantize: the ONNX operator types ONNX Runtime may quantize (default: all it
             supports). Dynamic quantization turns Conv into ConvInteger, which ONNX Runtime's CPU
             runs slower than float; a :class:`PerformanceWarning` says so. For CNNs use static.
+        weight_range: quantized files: ``'portable'`` (default) quantizes int8 weights on
+            [-64, 64] (ONNX Runtime's ``reduce_range``), which its U8S8 kernels compute exactly on
+            every x86 CPU — without VNNI they add two products in a saturating int16 and a full
+            range computes something else; ``'full'`` uses [-127, 127], for deployments known
+            to have VNNI/AMX or ARM dot products. Recorded in the file's metadata.
 
     Returns:
         ``output_path`` as a ``Path``.
@@ -166,6 +175,7 @@ def export_onnx(
     check_choice(calibration_method, CALIBRATION_METHODS, "calibration_method")
     check_choice(activation_type, QUANT_TYPES, "activation_type")
     check_choice(weight_type, QUANT_TYPES, "weight_type")
+    check_choice(weight_range, WEIGHT_RANGES, "weight_range")
     batches = None
     if quantize and quantize_mode == "static":
         if calibration_data is None:
@@ -215,12 +225,12 @@ def export_onnx(
                 float_path, staged, mode=quantize_mode, batches=batches, input_names=in_names,
                 calibration_method=calibration_method, activation_type=activation_type,
                 weight_type=weight_type, per_channel=per_channel, op_types=op_types_to_quantize,
-                large=large,
+                large=large, reduce_range=weight_range == "portable",
             )
             header = onnx.load_model(str(staged), load_external_data=False)
             stripped = strip_unused_opsets(header)
-            if len(stripped.opset_import) != len(header.opset_import):
-                onnx.save_model(stripped, str(staged))  # external weights stay where they are
+            stripped.metadata_props.add(key=WEIGHT_RANGE_KEY, value=weight_range)
+            onnx.save_model(stripped, str(staged))  # external weights stay where they are
             _warn_about_quantized(header, quantize_mode)
             pipeline.prove_file(staged, opset=opset_version, dynamic_batch=dynamic_batch)
             bar.update()

@@ -32,7 +32,7 @@ from .checks import (
     pt2e_qdq_nodes,
 )
 from .stats import qdq_stats
-from .targets import check_target, target_record
+from .targets import WEIGHT_RANGE_KEY, check_target, target_record
 from .weight_only import WEIGHT_ONLY_OPSET, QuantizedWeight, export_weight_only, quantized_weights
 
 ACTIVATION_DTYPES = ("int8", "uint8")
@@ -164,6 +164,8 @@ def export_qdq(
         pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
         graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, record.contrib_gelu))
+        if spec is not None:  # the record check_target reads: which weight rule the file follows
+            graph.metadata_props[WEIGHT_RANGE_KEY] = spec.weight_range
         bar.update()
         pipeline.write(graph, staged)
         bar.update()

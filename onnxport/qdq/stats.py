@@ -182,6 +182,16 @@ class QDQReport:
             lines.append(
                 f"ONNX Runtime runs {self.extra['ort_matmul_nbits']} MatMul as MatMulNBits (weight-only int4/int8)"
             )
+        cpu = self.extra.get("cpu")
+        if cpu:
+            recorded = "recorded" if cpu["weight_range_recorded"] else "read from the weights"
+            lines.append(f"this CPU: {cpu['machine']}")
+            lines.append(f"weight rule: {cpu['weight_range']} ({recorded})")
+            beyond = cpu["saturate_without_vnni"]
+            if beyond:
+                lines.append(f"  {len(beyond)} int8 weight(s) beyond [-64, 64], which x86 U8S8 kernels without VNNI may "
+                             f"saturate on (exact with VNNI/AMX or on ARM): {', '.join(beyond[:5])}"
+                             + (" …" if len(beyond) > 5 else ""))
         return "\n".join(lines)
 
 
@@ -255,7 +265,7 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
         if q.zero_point is not None:
             zp_types[onnx.helper.tensor_dtype_to_np_dtype(q.zero_point.data_type).name] += 1
     opset = opset_of(model)
-    extra: dict[str, Any] = {"float_elementwise": dict(kept_float.most_common())}
+    extra: dict[str, Any] = {"float_elementwise": dict(kept_float.most_common()), "cpu": _cpu_section(model, base, nodes)}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
         graph = ort_optimised_graph(onnx_path)
         optimised = Counter(node.op_type for node in graph.node)
@@ -264,6 +274,24 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
         extra["ort_matmul_nbits"] = optimised.get("MatMulNBits", 0)
         extra["ort_costlier_than_float"] = ort_costlier_than_float(graph)
     return QDQReport(opset, stats, tuple(ops), dict(zp_types), tuple(missing), extra)
+
+
+def _cpu_section(model: onnx.ModelProto, base: Path | None, nodes: list) -> dict[str, Any]:
+    """This CPU's U8S8 arithmetic, the weight rule the file records, and the weights that x86
+    kernels without VNNI could saturate on (they compute something else there)."""
+    from .._cpu import cpu_int8
+    from .targets import file_weight_range, weights_beyond_portable
+
+    cpu = cpu_int8()
+    beyond = weights_beyond_portable(model, base, nodes)
+    recorded = file_weight_range(model)
+    return {
+        "machine": cpu.describe(),
+        "vnni": cpu.vnni,
+        "weight_range": recorded or ("full" if beyond else "portable"),
+        "weight_range_recorded": recorded is not None,
+        "saturate_without_vnni": [f"{label} [{low}, {high}]" for label, low, high in beyond],
+    }
 
 
 # -- the graph ONNX Runtime actually runs ----------------------------------------------------

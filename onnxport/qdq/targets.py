@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .._cpu import PORTABLE_WEIGHT_RANGE, WEIGHT_RANGE_KEY
 from .._graph import all_constants, consumers, is_default_domain, opset_of, tensor_value, walk_graphs
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
@@ -52,6 +53,14 @@ class Target:
             both inputs, so ``Quantizer`` quantizes one only when both operands already are.
         contrib_gelu: the consumer is ONNX Runtime, which cannot fuse a GELU whose input is a
             DequantizeLinear: ``export_qdq`` writes that GELU as ORT's ``com.microsoft.Gelu``.
+        int32_bias: ``Quantizer`` stores Conv/Linear biases as int32 (scale = input scale x
+            weight scale), which the consumer reads as its integer kernels' bias; otherwise biases
+            stay float, as the seed's files have them (an annotation choice, apart from the file
+            rule ``int32_bias_allowed``).
+        portable_weights: the consumer runs U8S8 integer kernels on x86 CPUs, which without VNNI
+            add two uint8 x int8 products in a saturating int16 (VPMADDUBSW): ``Quantizer`` keeps
+            int8 weights on [-64, 64] by default (``weight_range='portable'``), where no pair can
+            saturate, and ``check_target`` holds files that do not opt out to that range.
     """
 
     name: str
@@ -74,6 +83,8 @@ class Target:
     float_linear_outputs: bool = False
     elementwise_on_quantized: bool = False
     contrib_gelu: bool = False
+    int32_bias: bool = False
+    portable_weights: bool = False
     #: the hint a rule broken on activation types gives.
     activation_hint: str = ""
 
@@ -99,11 +110,12 @@ REGISTRY: dict[str, Target] = {
         "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
         activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True, int8_sigmoid=True,
         int8_attention=True, float_linear_outputs=True, elementwise_on_quantized=True, contrib_gelu=True,
+        int32_bias=True, portable_weights=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
     "qnn": Target(
         "qnn", "Qualcomm QNN (HTP)", "affine_unsigned", activation_bits=(8, 16), activation_dtype="uint8",
-        activation_types=frozenset({_U8, _U16}), weight_type=_I8, zero_points_zero="weights",
+        activation_types=frozenset({_U8, _U16}), weight_type=_I8, zero_points_zero="weights", int32_bias=True,
         activation_hint="QNN reads uint8 (or uint16) activations.",
     ),
 }
@@ -144,6 +156,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     problems: list[str] = []
     activation_types: Counter[int] = Counter()
     weight_inputs = _weight_inputs(model)
+    portable = rules.portable_weights and file_weight_range(model) != "full"
     for q in qdq_nodes(model, base):
         zp, dtype = q.zero_point_values(), q.dtype if q.zero_point is not None else None
         label = _label(q.node)
@@ -166,6 +179,14 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
                             f"{target} wants {onnx.TensorProto.DataType.Name(rules.weight_type).lower()} weights.")
         elif rules.zero_points_zero == "weights" and zp is not None and np.any(zp != 0):
             problems.append(f"{label} has a weight zero-point other than 0; {rules.consumer} wants symmetric weights.")
+    if portable:
+        problems += [
+            f"{label} holds int8 weights on [{low}, {high}], beyond [{PORTABLE_LOW}, {PORTABLE_HIGH}]: on x86 CPUs "
+            f"without VNNI, {rules.consumer}'s U8S8 kernels add two products in a saturating int16 and compute "
+            f"something else. Quantize with weight_range='portable' (the default), or record weight_range='full' "
+            f"for a deployment known to have VNNI/AMX."
+            for label, low, high in weights_beyond_portable(model, base)
+        ]
     if rules.max_opset is not None and opset > rules.max_opset:
         problems.append(f"the file declares opset {opset}; export at opset {rules.max_opset} for {rules.consumer}'s parser.")
     if rules.needs_kernel_shape:
@@ -184,6 +205,33 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     if rules.relu_range_from_zero:
         problems += _ort_unfoldable_relus(model, consts, base)
     return problems
+
+
+PORTABLE_LOW, PORTABLE_HIGH = PORTABLE_WEIGHT_RANGE
+
+
+def file_weight_range(model: onnx.ModelProto) -> str | None:
+    """The ``weight_range`` a file records (``'portable'`` or ``'full'``), ``None`` when it records none."""
+    return next((p.value for p in model.metadata_props if p.key == WEIGHT_RANGE_KEY), None)
+
+
+def weights_beyond_portable(model: onnx.ModelProto, base: Path | None, nodes: list | None = None) -> list[tuple[str, int, int]]:
+    """(DequantizeLinear, lowest, highest) of every int8 weight a Conv/Gemm/MatMul reads whose
+    integers leave [-64, 64]: the pairs that x86 U8S8 kernels without VNNI may saturate on."""
+    weight_inputs = _weight_inputs(model)
+    consts = all_constants(model)
+    found = []
+    for q in qdq_nodes(model, base) if nodes is None else nodes:
+        if q.op_type != "DequantizeLinear" or q.node.output[0] not in weight_inputs or q.node.input[0] not in consts:
+            continue
+        tensor = consts[q.node.input[0]]
+        if tensor.data_type != _I8:
+            continue
+        values = tensor_value(tensor, base)
+        low, high = int(values.min(initial=0)), int(values.max(initial=0))
+        if low < PORTABLE_LOW or high > PORTABLE_HIGH:
+            found.append((_label(q.node), low, high))
+    return found
 
 
 def _weight_inputs(model: onnx.ModelProto) -> set[str]:

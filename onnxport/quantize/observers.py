@@ -17,6 +17,8 @@ from torchao.quantization.pt2e.observer import (
 )
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
+from .._cpu import FULL_WEIGHT_RANGE, PORTABLE_WEIGHT_RANGE
+
 OBSERVERS = ("histogram", "minmax", "percentile")
 _EPS = 2**-12  # the smallest scale: keeps an all-zero tensor from a zero scale
 _CANDIDATES_PER_BATCH = 256  # rows of (candidate, bin) errors computed at once: 2 MB at 2048 bins
@@ -154,8 +156,9 @@ def activation_qspec(
     )
 
 
-def weight_qspec(per_channel: bool, is_qat: bool, axis: int = 0) -> QuantizationSpec:
-    """The spec of a weight: int8 on [-127, 127], zero-point 0, per output channel or per tensor."""
+def weight_qspec(per_channel: bool, is_qat: bool, axis: int = 0, portable: bool = False) -> QuantizationSpec:
+    """The spec of a weight: int8 on [-127, 127] (or, ``portable``, on [-64, 64]), zero-point 0,
+    per output channel or per tensor."""
     if per_channel:
         observer = MovingAveragePerChannelMinMaxObserver if is_qat else PerChannelMinMaxObserver
         qscheme = torch.per_channel_symmetric
@@ -167,7 +170,8 @@ def weight_qspec(per_channel: bool, is_qat: bool, axis: int = 0) -> Quantization
         if is_qat
         else observer.with_args(eps=_EPS)
     )
+    low, high = PORTABLE_WEIGHT_RANGE if portable else FULL_WEIGHT_RANGE
     return QuantizationSpec(
-        dtype=torch.int8, quant_min=-127, quant_max=127, qscheme=qscheme,
+        dtype=torch.int8, quant_min=low, quant_max=high, qscheme=qscheme,
         ch_axis=axis if per_channel else None, is_dynamic=False, observer_or_fake_quant_ctr=ctr,
     )

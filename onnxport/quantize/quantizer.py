@@ -12,6 +12,7 @@ import torch
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
+from .._cpu import WEIGHT_RANGES
 from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
 from .._torch import require_module
 from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError, OnnxportWarning, check_choice
@@ -197,6 +198,11 @@ class Quantizer:
             zero-point 128); ``'qnn'`` — uint8 affine activations (or uint16 with
             ``activation_bits=16``), int8 per-channel weights.
         activation_bits: 8, or 16 for ``target='qnn'`` (A16W8, exported at opset 21).
+        weight_range: pt2e: ``'portable'`` — int8 weights on [-64, 64], which ONNX Runtime's and
+            OpenVINO's U8S8 kernels compute exactly on every x86 CPU, VNNI or not (without VNNI
+            they add two products in a saturating int16); ``'full'`` — [-127, 127], for
+            deployments known to have VNNI/AMX or ARM dot products. ``None`` (default) takes the
+            target's: portable for ``'onnxruntime'``, full otherwise. Recorded in the QuantSpec.
     """
 
     def __init__(
@@ -214,10 +220,16 @@ class Quantizer:
         quantize_embeddings: bool = False,
         target: str | None = None,
         activation_bits: int = 8,
+        weight_range: str | None = None,
     ) -> None:
         self.backend = check_choice(backend, BACKENDS, "backend")
         self.target = None if target is None else check_choice(target, TARGETS, "target")
         record = target_record(self.target)
+        if weight_range is not None:
+            check_choice(weight_range, WEIGHT_RANGES, "weight_range")
+            if backend != "pt2e":
+                raise InvalidArgumentError(f"weight_range={weight_range!r} is a pt2e setting; use backend='pt2e'.")
+        self.weight_range = weight_range or ("portable" if record.portable_weights else "full")
         if target is not None and backend != "pt2e":
             raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
         sixteen = [name for name in TARGETS if 16 in target_record(name).activation_bits]
@@ -283,7 +295,8 @@ class Quantizer:
         return (
             f"Quantizer(backend={self.backend!r}, method={self.method!r}, qscheme={self.qscheme!r}, "
             f"symmetric={self.symmetric}, observer={self.observer!r}, qdq_placement={self.qdq_placement!r}, "
-            f"skip_activations={self.skip_activations!r}, float_layers={self.float_layers!r}, target={self.target!r})"
+            f"skip_activations={self.skip_activations!r}, float_layers={self.float_layers!r}, target={self.target!r}, "
+            f"weight_range={self.weight_range!r})"
         )
 
     # -- the record ----------------------------------------------------------------------
@@ -297,6 +310,7 @@ class Quantizer:
                 placement=self.qdq_placement, skipped_modules=tuple(self.skip_activations),
                 float_layers=tuple(self.float_layers),
                 observer=self.observer if self.method == "static" else "fake_quant", target=self.target,
+                weight_range=self.weight_range,
             )
         if self.method in WEIGHT_ONLY_BITS:
             return QuantSpec(
@@ -316,21 +330,22 @@ class Quantizer:
         post_relu = None
         target = target_record(self.target)
         scheme = target.activations
+        portable = self.weight_range == "portable"
         if scheme == "affine_unsigned":
             activation = activation_qspec(self.observer, False, is_qat, unsigned=True, bits=self.activation_bits)
         elif scheme == "symmetric_unsigned_after_relu":
             post_relu = activation_qspec(self.observer, False, is_qat, unsigned=True)
         ctx = AnnotationContext(
             activation=activation,
-            weight=weight_qspec(per_channel, is_qat, axis=0),
-            weight_transposed=weight_qspec(per_channel, is_qat, axis=1),
+            weight=weight_qspec(per_channel, is_qat, axis=0, portable=portable),
+            weight_transposed=weight_qspec(per_channel, is_qat, axis=1, portable=portable),
             is_qat=is_qat,
             post_relu=post_relu,
             int8_sigmoid=target.int8_sigmoid,
             int8_attention=target.int8_attention,
             float_linear_outputs=target.float_linear_outputs,
             elementwise_on_quantized=target.elementwise_on_quantized,
-            int32_bias=target.int32_bias_allowed,
+            int32_bias=target.int32_bias,
         )
         return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 

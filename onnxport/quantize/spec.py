@@ -32,6 +32,9 @@ class QuantSpec:
         target: the deployment target preset the model was quantized for, if any.
         float_layers: see above.
         quantized_embeddings: weight-only recipes: ``nn.Embedding`` weights are quantized too.
+        weight_range: pt2e: ``'portable'`` (int8 weights on [-64, 64], exact in ONNX Runtime's and
+            OpenVINO's U8S8 kernels on every x86 CPU) or ``'full'`` ([-127, 127], for deployments
+            known to have VNNI/AMX or ARM dot products, or consumers that are not x86 CPUs).
     """
 
     backend: str
@@ -48,6 +51,7 @@ class QuantSpec:
     target: str | None = None
     float_layers: tuple[str, ...] = ()
     quantized_embeddings: bool = False
+    weight_range: str = "full"
 
     @property
     def weight_only(self) -> bool:
@@ -77,7 +81,8 @@ class QuantSpec:
         act = f"A{self.activation_bits}" if self.activation_bits else ("Adyn" if self.dynamic_activations else "A16/32f")
         group = f" group {self.group_size}" if self.group_size else ""
         sym = "symmetric" if self.symmetric else "affine"
-        return f"{self.backend} {self.method} W{self.weight_bits}{act} {self.qscheme}{group} {sym}"
+        portable = ", weights on [-64, 64]" if self.weight_range == "portable" else ""
+        return f"{self.backend} {self.method} W{self.weight_bits}{act} {self.qscheme}{group} {sym}{portable}"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
