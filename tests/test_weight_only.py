@@ -12,6 +12,7 @@ import onnx
 import pytest
 import torch
 import torch.nn as nn
+import transformers  # a test dependency: missing, the suite must fail, not skip
 
 from onnxport import (
     Quantizer,
@@ -27,8 +28,6 @@ from onnxport import (
 from onnxport._checks import run
 from onnxport.errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning
 from onnxport.qdq.weight_only import check_weights_faithful, file_weights, quantized_weights
-
-transformers = pytest.importorskip("transformers")
 
 IDS = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
 

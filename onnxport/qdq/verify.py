@@ -32,6 +32,19 @@ class QDQOutputComparison:
     #: (near it: rounding; far below it: the file computes something else), not by its minimum.
     rounding_floor: tuple[float, ...] | None = None
 
+    @property
+    def within_floor(self) -> bool | None:
+        """The fidelity criterion for a random-weight model: the file is at most twice as far
+        from its model as the model's own one-ulp floor (1 - cosine <= 2 (1 - lowest floor
+        seed)), or at cosine >= 0.9999. ``None`` when no floor was measured."""
+        if self.rounding_floor is None:
+            return None
+        return self.cosine_similarity >= FAITHFUL_COSINE or 1 - self.cosine_similarity <= 2 * (1 - min(self.rounding_floor))
+
+
+#: Cosine at or above which a file agrees with its model whatever the model's own floor.
+FAITHFUL_COSINE = 0.9999
+
 
 @dataclass(frozen=True)
 class QDQComparison:
@@ -49,7 +62,8 @@ class QDQComparison:
             steps = f"{o.max_error_in_steps:7.2f}" if o.max_error_in_steps is not None else "      -"
             line = f"{o.name:<16} {o.max_abs_error:>10.4g} {steps} {o.cosine_similarity:>9.6f} {o.top1_agreement:>7.2%}"
             if o.rounding_floor is not None:
-                line += f"  {min(o.rounding_floor):.6f}-{max(o.rounding_floor):.6f}"
+                verdict = "within 2x the floor" if o.within_floor else "BELOW 2x the floor: the file computes something else"
+                line += f"  {min(o.rounding_floor):.6f}-{max(o.rounding_floor):.6f}  {verdict}"
             lines.append(line)
         return "\n".join(lines)
 
@@ -82,8 +96,36 @@ def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> 
     return None
 
 
+def runs_optimized(model: Any, optimized: bool | None) -> bool:
+    """Whether a comparison runs the file as ONNX Runtime's CPU provider deploys it.
+
+    ``None`` decides by the model's record: a file made for ONNX Runtime (``target='onnxruntime'``)
+    is measured as ORT deploys it; a file for another consumer (TensorRT, QNN, the default) by
+    its ONNX semantics, since ORT's CPU kernels are not how that consumer computes it.
+    """
+    if optimized is not None:
+        if not isinstance(optimized, bool):
+            raise InvalidArgumentError(f"optimized must be True, False or None, not {optimized!r}.")
+        return optimized
+    from ..quantize.spec import quant_spec
+
+    spec = quant_spec(model)
+    return spec is None or spec.target == "onnxruntime"
+
+
+def _session_options(optimized: bool) -> Any:
+    """ONNX Runtime's default level (None), or every graph optimisation off."""
+    if optimized:
+        return None
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options
+
+
 def compare_qdq(
-    model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *, optimized: bool = True,
+    model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *, optimized: bool | None = None,
     rounding_floor: bool = False, floor_seeds: int = 3,
 ) -> QDQComparison:
     """Compare every output of the ONNX file with the PyTorch model on ``sample``.
@@ -94,11 +136,13 @@ def compare_qdq(
         sample: a tensor, a tuple of tensors or a dict of them by name, batch first.
         n_batches: split ``sample`` into this many equal batches (a graph exported with a fixed
             batch needs its own batch size).
-        optimized: run the file as ONNX Runtime deploys it (its default graph optimisation:
-            fused INT8 kernels, and a float Conv/Gemm bias beside dequantized inputs rounded to
-            int32). ``False`` runs it with every optimisation off: the file's own ONNX semantics,
-            the measure for a file made for another consumer (a ``'tensorrt'`` file keeps its
-            biases float, which TensorRT reads as they are).
+        optimized: ``True`` runs the file as ONNX Runtime deploys it (its default graph
+            optimisation: fused INT8 kernels, and a float Conv/Gemm bias beside dequantized
+            inputs rounded to int32). ``False`` runs it with every optimisation off: the file's
+            own ONNX semantics, the measure for a file made for another consumer (a
+            ``'tensorrt'`` file keeps its biases float, which TensorRT reads as they are).
+            ``None`` (default): ``True`` for a model quantized for ``target='onnxruntime'`` (or
+            without a record), ``False`` for any other target.
         rounding_floor: also run the model ``floor_seeds`` times with every float result
             perturbed by one float32 ulp (:func:`onnxport.rounding_floor`), and give each
             output's cosines with the plain run: how close any runtime whose float kernels are not
@@ -122,13 +166,7 @@ def compare_qdq(
     if rounding_floor:
         check_floor_arguments(floor_seeds, 1.0)
     call, batches, names = _split(model, sample, n_batches, onnx_path)
-    options = None
-    if not optimized:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    runner = ONNXModel(onnx_path, session_options=options)
+    runner = ONNXModel(onnx_path, session_options=_session_options(runs_optimized(model, optimized)))
     refs: list[list[np.ndarray]] = []
     gots: list[list[np.ndarray]] = []
     with eval_mode(model), torch.no_grad():
@@ -176,11 +214,13 @@ def _warn_if_input_independent(name: str, ref: np.ndarray) -> None:
         )
 
 
-def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1) -> float:
+def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *,
+               optimized: bool | None = None) -> float:
     """Fraction of inputs on which the ONNX graph and the PyTorch model predict the same class.
 
     The class is the argmax over the last axis of the first output. ``sample`` is split into
-    ``n_batches`` equal batches. Warns (:class:`VacuousCheckWarning`) when the PyTorch model
+    ``n_batches`` equal batches (by default, batches of the file's fixed batch). ``optimized``
+    as for :func:`compare_qdq`. Warns (:class:`VacuousCheckWarning`) when the PyTorch model
     predicts one class for every input, since agreement then proves nothing.
     """
     import torch
@@ -191,7 +231,7 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
 
     require_module(model)
     call, batches, names = _split(model, sample, n_batches, onnx_path)
-    runner = ONNXModel(onnx_path)
+    runner = ONNXModel(onnx_path, session_options=_session_options(runs_optimized(model, optimized)))
     agreed = total = 0
     classes: set[int] = set()
     with eval_mode(model), torch.no_grad():
