@@ -57,20 +57,29 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
+    from .errors import (
+        DependencyError,
+        ExportRefusedError,
+        InvalidArgumentError,
+        OnnxportError,
+        OnnxportWarning,
+        PerformanceWarning,
+        RuntimePrecisionWarning,
+        UnsafeExternalDataError,
+        VacuousCheckWarning,
+        WriteError,
+    )
+    from .export import export_onnx
     from .files import save_model
-    from .errors import (DependencyError, ExportRefusedError, InvalidArgumentError, OnnxportError, OnnxportWarning,
-                         PerformanceWarning, RuntimePrecisionWarning, UnsafeExternalDataError, VacuousCheckWarning,
-                         WriteError)
     from .qdq.export import export_qdq
-    from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
-    from .qdq.targets import check_target
     from .qdq.layers import LayerReport, LayerRow, compare_layers
     from .qdq.rounding import rounding_floor
+    from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
+    from .qdq.targets import check_target
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
-    from .quantize import QuantSpec, Quantizer, precision_table, quant_spec
+    from .quantize import Quantizer, QuantSpec, precision_table, quant_spec
     from .quantize.sensitivity import BudgetResult, quantize_within_budget, sensitivity
-    from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
-    from .export import export_onnx
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
 
 
