@@ -56,8 +56,14 @@ def main(only: list[str] | None = None) -> int:
     saved = HERE / "results.json"
     # A partial run (`python -m bench NAME`) updates the saved results instead of dropping the rest.
     results: dict = json.loads(saved.read_text()) if only and saved.exists() else {}
+    from onnxport._cpu import cpu_int8
+
+    isa = cpu_int8()
     results.update({"date": datetime.date.today().isoformat(), "machine": platform.platform(),
-                    "processor": platform.processor(), "python": platform.python_version()})
+                    "processor": platform.processor(), "python": platform.python_version(),
+                    "isa": isa.isa, "vnni": isa.vnni})
+    # every table below was measured on this CPU: its INT8 kernels decide the figures
+    print(f"CPU: {isa.describe()}\n", flush=True)
     for name in chosen:
         module = importlib.import_module(f"bench.{name}")
         start = time.perf_counter()
