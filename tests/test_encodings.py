@@ -425,7 +425,7 @@ def test_v2_float16_entries_are_omitted_with_one_warning():  # §4.1 #5
         ({"version": "2.0.0", "encodings": [{"name": "input", "output_dtype": "uint8", "y_scale": 0.1, "y_zero_point": 2.5}]}, "'y_zero_point'.*not an integer"),
         ({"version": "2.0.0", "encodings": [{"name": "input", "output_dtype": "int8", "y_scale": 0.1, "y_zero_point": 200}]}, "200 does not fit int8"),
         ({"version": "2.0.0", "encodings": [{"name": "input", "output_dtype": "int8", "y_scale": 0.1, "bw": 8}]}, "'bw'.*legacy"),
-        ({"version": "2.0.0", "encodings": [{"name": "w", "output_dtype": "int4", "y_scale": [[0.1]], "block_size": 4}]}, "'block_size'.*needs an 'axis'"),
+        ({"version": "2.0.0", "encodings": [{"name": "conv.weight", "output_dtype": "int4", "y_scale": [[0.1]], "block_size": 4}]}, "'block_size'.*needs an 'axis'"),
         ({"version": "2.0.0", "encodings": [{"name": "input", "output_dtype": "int9", "y_scale": 0.1}]}, "'output_dtype'"),
         ({"version": "2.0.0", "encodings": [{"name": "input", "output_dtype": "int8", "y_scale": {"x": [1], "x_scale": 1}}]}, "needs version 2.1.0"),
         ({"version": "1.0.0", "activation_encodings": [{"name": "input", "dtype": "INT", "enc_type": "VECTOR", "bw": 8}], "param_encodings": []}, "'enc_type'"),

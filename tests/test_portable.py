@@ -67,7 +67,9 @@ def test_portable_weights_cannot_saturate_and_full_range_ones_do():
     portable[:2, 0] = 64  # the worst pair the rule allows: 255 x 128 = 32640
     full = rng.integers(-127, 128, (64, 16)).astype(np.int8)
     full[:2, 0] = 127
-    exact = lambda w: codes.astype(np.int64) @ w.astype(np.int64)  # noqa: E731
+    def exact(w: np.ndarray) -> np.ndarray:
+        return codes.astype(np.int64) @ w.astype(np.int64)
+
     assert np.array_equal(_vpmaddubsw_dot(codes, portable), exact(portable))
     assert not np.array_equal(_vpmaddubsw_dot(codes, full), exact(full))
 

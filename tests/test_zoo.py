@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import transformers  # noqa: F401  a test dependency: missing, the suite must fail, not skip
 
+from tests.conftest import assert_faithful
 from tests.zoo import zoo
 
 ZOO = {entry.name: entry for entry in zoo()}
@@ -65,7 +66,7 @@ def test_every_target_exports_agrees_with_its_pt2e_model_and_runs_in_openvino(tm
     """For each preset: Quantizer + export_qdq (its rules checked on the file inside the export);
     every layer of the file computes what the pt2e model computes from the same inputs; the whole
     file agrees with the model; OpenVINO loads and runs the file and picks the same classes."""
-    from onnxport import ONNXModel, Quantizer, compare_layers, compare_qdq, export_qdq
+    from onnxport import ONNXModel, Quantizer, compare_layers, export_qdq
 
     entry = ZOO[name]
     model = entry.model()
@@ -80,8 +81,7 @@ def test_every_target_exports_agrees_with_its_pt2e_model_and_runs_in_openvino(tm
         # without VNNI); the others by their ONNX semantics, since ORT's CPU is not their consumer.
         # Random weights make a deep net chaotic, so the bound is the model's own one-ulp floor,
         # which both kinds of CPU meet; the per-layer check above carries the exact proof.
-        first = compare_qdq(quantized, path, check, rounding_floor=True).outputs[0]
-        assert first.within_floor, (target, first)
+        assert_faithful(quantized, path, check)
         if target == "onnxruntime":
             _assert_fusable(path)
         ort_first = _first(ONNXModel(path)(check))
@@ -124,7 +124,6 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
         Quantizer,
         compare_layers,
         compare_onnx,
-        compare_qdq,
         export_onnx,
         export_qdq,
         qdq_report,
@@ -143,7 +142,7 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
     quantized = Quantizer(target="onnxruntime").quantize(model, [_with_mask(entry, 4, s, by_name) for s in (10, 11)])
     path = export_qdq(quantized, sample, tmp_path / "qdq.onnx", dynamic_batch=True)
     assert [i.name for i in ONNXModel(path).session.get_inputs()] == names
-    assert compare_qdq(quantized, path, check, rounding_floor=True).outputs[0].within_floor
+    assert_faithful(quantized, path, check)
     assert verify_qdq(quantized, path, check) >= 0.75
     assert compare_layers(quantized, path, check).first_divergence is None
     assert qdq_report(path).extra["ort_int8"]["MatMul"]["float"] == 0
@@ -165,7 +164,7 @@ def test_decoders_as_loaded_with_their_key_value_cache_on_export_without_it(tmp_
     """``from_pretrained`` leaves ``config.use_cache`` on, and the model then returns a ``Cache``
     object that torch.export cannot return: every function captures the whole-sequence graph
     without it, and the model keeps its setting."""
-    from onnxport import Quantizer, compare_onnx, compare_qdq, export_onnx, export_qdq
+    from onnxport import Quantizer, compare_onnx, export_onnx, export_qdq
 
     entry = ZOO[name]
     model = entry.model()
@@ -175,5 +174,5 @@ def test_decoders_as_loaded_with_their_key_value_cache_on_export_without_it(tmp_
     assert compare_onnx(model, fp32, check, atol=1e-4, rtol=1e-3).passed
     quantized = Quantizer(target="onnxruntime").quantize(model, [_with_mask(entry, 4, s, True) for s in (10, 11)])
     path = export_qdq(quantized, sample, tmp_path / "qdq.onnx", dynamic_batch=True)
-    assert compare_qdq(quantized, path, check, rounding_floor=True).outputs[0].within_floor
+    assert_faithful(quantized, path, check)
     assert model.config.use_cache is True

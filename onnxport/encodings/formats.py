@@ -733,12 +733,12 @@ def parse_encodings(
     omitted: list[str] = []
     unknown: list[str] = []
 
-    def keep(parse: Callable[[], Encoding | str], name: str) -> None:
+    def keep(name: str, parse: Callable[..., Encoding | str], *args: Any) -> None:
         if known is not None and name not in known:
             unknown.append(name)
         if unknown:
             return  # the file is refused anyway: spend nothing more on values
-        result = parse()
+        result = parse(*args, allow_subnormal_scales)
         if isinstance(result, str):
             omitted.append(name)
         else:
@@ -754,7 +754,7 @@ def parse_encodings(
                 if names.get(name, key) != key:
                     raise InvalidArgumentError(f"Tensor(s) ['{name}'] appear in both 'param_encodings' and 'activation_encodings'; each tensor is one or the other.")
                 names[name] = key
-                keep(lambda: _parse_061(name, value, kind, allow_subnormal_scales), name)
+                keep(name, _parse_061, name, value, kind)
     elif version == "1.0.0":
         seen: dict[str, str] = {}
         for key, kind in (("param_encodings", "param"), ("activation_encodings", "activation")):
@@ -767,7 +767,7 @@ def parse_encodings(
                     where = "twice in" if seen[name] == key else "in both 'param_encodings' and 'activation_encodings' of"
                     raise InvalidArgumentError(f"Tensor '{name}' appears {where} the file; each tensor takes one encoding.")
                 seen[name] = key
-                keep(lambda: _parse_100(entry, kind, allow_subnormal_scales), name)
+                keep(name, _parse_100, entry, kind)
     else:
         found, section = _section(data, "encodings", list, None)
         if found is not list:
@@ -778,7 +778,7 @@ def parse_encodings(
             if name in seen_names:
                 raise InvalidArgumentError(f"Tensor '{name}' appears twice in 'encodings'; each tensor takes one encoding.")
             seen_names.add(name)
-            keep(lambda: _parse_2x(entry, version, allow_subnormal_scales), name)
+            keep(name, _parse_2x, entry, version)
     if unknown:
         shown = [shown_name(n) for n in sorted(unknown)[:20]]
         raise InvalidArgumentError(
