@@ -99,9 +99,10 @@ def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> 
 def runs_optimized(model: Any, optimized: bool | None) -> bool:
     """Whether a comparison runs the file as ONNX Runtime's CPU provider deploys it.
 
-    ``None`` decides by the model's record: a file made for ONNX Runtime (``target='onnxruntime'``)
-    is measured as ORT deploys it; a file for another consumer (TensorRT, QNN, the default) by
-    its ONNX semantics, since ORT's CPU kernels are not how that consumer computes it.
+    ``None`` decides by the model's record: a file made for ONNX Runtime (``target='onnxruntime'``,
+    or a torchao weight-only model, which ORT runs as MatMulNBits) is measured as ORT deploys it;
+    a file for another consumer (TensorRT, QNN, the default) by its ONNX semantics, since ORT's
+    CPU kernels are not how that consumer computes it.
     """
     if optimized is not None:
         if not isinstance(optimized, bool):
@@ -110,7 +111,7 @@ def runs_optimized(model: Any, optimized: bool | None) -> bool:
     from ..quantize.spec import quant_spec
 
     spec = quant_spec(model)
-    return spec is None or spec.target == "onnxruntime"
+    return spec is None or spec.target == "onnxruntime" or spec.backend == "torchao"
 
 
 def _session_options(optimized: bool) -> Any:
@@ -141,8 +142,8 @@ def compare_qdq(
             inputs rounded to int32). ``False`` runs it with every optimisation off: the file's
             own ONNX semantics, the measure for a file made for another consumer (a
             ``'tensorrt'`` file keeps its biases float, which TensorRT reads as they are).
-            ``None`` (default): ``True`` for a model quantized for ``target='onnxruntime'`` (or
-            without a record), ``False`` for any other target.
+            ``None`` (default): ``True`` for a model quantized for ``target='onnxruntime'``, a
+            torchao weight-only model (or one without a record), ``False`` for any other target.
         rounding_floor: also run the model ``floor_seeds`` times with every float result
             perturbed by one float32 ulp (:func:`onnxport.rounding_floor`), and give each
             output's cosines with the plain run: how close any runtime whose float kernels are not
