@@ -166,7 +166,10 @@ def compare_qdq(
         raise InvalidArgumentError(f"rounding_floor must be True or False, not {rounding_floor!r}.")
     if rounding_floor:
         check_floor_arguments(floor_seeds, 1.0)
-    call, batches, names = _split(model, sample, n_batches, onnx_path)
+    from .._io import read_onnx
+
+    header = read_onnx(onnx_path, "onnx_path")  # read once: the file's batch here, its output scales below
+    call, batches, names = _split(model, sample, n_batches, header)
     runner = ONNXModel(onnx_path, session_options=_session_options(runs_optimized(model, optimized)))
     refs: list[list[np.ndarray]] = []
     gots: list[list[np.ndarray]] = []
@@ -175,7 +178,6 @@ def compare_qdq(
             refs.append([t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))])
             gots.append(run_inputs(runner, batch, names))
         perturbed = perturbed_runs(call, batches, floor_seeds, 1.0) if rounding_floor else None
-    header = onnx.load_model(str(onnx_path), load_external_data=False)
     base = os.path.dirname(os.fspath(onnx_path))
     results = []
     for index, name in enumerate(runner.output_names):
