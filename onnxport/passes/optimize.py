@@ -1,7 +1,7 @@
 """Graph optimisation with onnxslim, as an ``onnx_ir`` pass.
 
 onnxslim folds constants and fuses patterns without touching Q/DQ pairs (measured against
-onnxoptimizer and the onnxscript optimizer; see the README's design notes). It works on protos,
+onnxoptimizer and the onnxscript optimizer; see docs/float-export.md). It works on protos,
 so the pass is functional: it returns a new model.
 """
 
