@@ -97,7 +97,7 @@ def _case(name: str, model: nn.Module, calibration: list, sample: torch.Tensor, 
     full = next(r for r in report.rows if r.kind == "output")
     start = time.perf_counter()
     # a budget just above what full INT8 reaches, so the search has to keep layers float
-    from onnxport.quantize.sensitivity import _outputs, score
+    from onnxport.qdq.sensitivity import _outputs, score
 
     reference = _outputs(model, [(sample,)])
     reached = score(reference, _outputs(quantized, [(sample,)]), "cosine")

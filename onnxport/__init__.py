@@ -33,9 +33,9 @@ _EXPORTS = {
     "QuantSpec": ".quantize",
     "quant_spec": ".quantize",
     "precision_table": ".quantize",
-    "sensitivity": ".quantize.sensitivity",
-    "quantize_within_budget": ".quantize.sensitivity",
-    "BudgetResult": ".quantize.sensitivity",
+    "sensitivity": ".qdq.sensitivity",
+    "quantize_within_budget": ".qdq.sensitivity",
+    "BudgetResult": ".qdq.sensitivity",
     "export_qdq": ".qdq.export",
     "qdq_stats": ".qdq.stats",
     "qdq_report": ".qdq.stats",
@@ -44,11 +44,11 @@ _EXPORTS = {
     "verify_qdq": ".qdq.verify",
     "compare_qdq": ".qdq.verify",
     "QDQComparison": ".qdq.verify",
-    "rounding_floor": ".qdq.rounding",
+    "rounding_floor": ".rounding",
     "compare_layers": ".qdq.layers",
     "LayerReport": ".qdq.layers",
     "LayerRow": ".qdq.layers",
-    "check_target": ".qdq.targets",
+    "check_target": ".qdq.rules",
     "encodings_to_onnx_qdq": ".encodings",
     "onnx_qdq_to_encodings": ".encodings",
     "strip_qdq": ".encodings",
@@ -74,12 +74,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from .files import save_model
     from .qdq.export import export_qdq
     from .qdq.layers import LayerReport, LayerRow, compare_layers
-    from .qdq.rounding import rounding_floor
+    from .rounding import rounding_floor
     from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
-    from .qdq.targets import check_target
+    from .qdq.rules import check_target
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import Quantizer, QuantSpec, precision_table, quant_spec
-    from .quantize.sensitivity import BudgetResult, quantize_within_budget, sensitivity
+    from .qdq.sensitivity import BudgetResult, quantize_within_budget, sensitivity
     from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from ._io import external_folder, external_source, walk_graphs
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 #: Ops that carry a weight from its constant to its reader without changing its shape.
@@ -64,23 +65,10 @@ def is_default_domain(node: onnx.NodeProto) -> bool:
     return node.domain in DEFAULT_DOMAINS
 
 
-def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """The graph and every subgraph (If/Loop/Scan bodies) inside it, depth first."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from walk_graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from walk_graphs(g)
-
-
 def tensor_value(tensor: onnx.TensorProto, base_dir: str | Path | None = None) -> np.ndarray:
     """A constant's values, reading external data from ``base_dir`` when it lives there (or from
     the folder its own ``basepath`` entry names: a tensor a conversion spilled to scratch)."""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        from ._io import external_folder, external_source
 
         external_source(tensor, base_dir)  # confined to the model's folder before a byte is read
         return numpy_helper.to_array(tensor, str(external_folder(tensor, base_dir)))

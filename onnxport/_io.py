@@ -106,13 +106,23 @@ def needs_external_data(model: onnx.ModelProto) -> bool:
     return _tensor_bytes(model) >= PROTOBUF_LIMIT - 64 * 1024 * 1024
 
 
+def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """The graph and every subgraph (If/Loop/Scan bodies) inside it, depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from walk_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from walk_graphs(g)
+
+
 _EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
 _CHUNK = 64 * 1024 * 1024
 
 
 def _all_initializers(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    from ._graph import walk_graphs
-
     for graph in walk_graphs(model.graph):
         yield from graph.initializer
 

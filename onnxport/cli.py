@@ -267,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # -- the parser -------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from .qdq.targets import TARGETS
+    from .targets import TARGETS
 
     parser = argparse.ArgumentParser(
         prog="onnxport", description="PyTorch to deployable ONNX, every claim checked on the file.",

@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import InvalidArgumentError
-from .qdq.rounding import cosine
+from .rounding import cosine
 
 _ORT_TO_NUMPY = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,

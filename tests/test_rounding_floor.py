@@ -11,7 +11,7 @@ from torch import nn
 
 from onnxport import Quantizer, compare_qdq, export_qdq, rounding_floor
 from onnxport.errors import InvalidArgumentError
-from onnxport.qdq.rounding import perturbed_runs
+from onnxport.rounding import perturbed_runs
 from tests.models import ResNet18
 
 SAMPLE = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(3))

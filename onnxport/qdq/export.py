@@ -32,7 +32,8 @@ from .checks import (
     pt2e_qdq_nodes,
 )
 from .stats import qdq_stats
-from .targets import WEIGHT_RANGE_KEY, check_target, target_record
+from ..targets import get_target
+from .rules import WEIGHT_RANGE_KEY, check_target
 from .weight_only import WEIGHT_ONLY_OPSET, QuantizedWeight, export_weight_only, quantized_weights
 
 ACTIVATION_DTYPES = ("int8", "uint8")
@@ -141,9 +142,9 @@ def export_qdq(
             dynamic_batch=dynamic_batch, input_names=input_names, output_names=output_names, keywords=keywords,
         )
     preset = spec.target if spec is not None else None
-    record = target_record(preset)
-    default_opset = record.default_opset(spec.activation_bits if spec is not None else None)
-    activation_dtype = record.activation_dtype if activation_dtype is None else activation_dtype
+    defaults = get_target(preset).defaults
+    default_opset = defaults.opset_for(spec.activation_bits if spec is not None else None)
+    activation_dtype = defaults.activation_dtype if activation_dtype is None else activation_dtype
     opset_version = _validate_opset(default_opset if opset_version is None else opset_version)
     _preconditions(model, spec, activation_dtype, dynamic_batch)
     expected = model_qparams(model)
@@ -163,7 +164,7 @@ def export_qdq(
             ).model
         pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
-        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, record.contrib_gelu))
+        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, defaults.contrib_gelu))
         if spec is not None:  # the record check_target reads: which weight rule the file follows
             graph.metadata_props[WEIGHT_RANGE_KEY] = spec.weight_range
         bar.update()
@@ -177,7 +178,7 @@ def export_qdq(
 
 def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = False) -> list[Step]:
     """The graph steps of :func:`export_qdq`, in order, each with its proof (``contrib_gelu``: the
-    target's :attr:`~onnxport.qdq.targets.Target.contrib_gelu`)."""
+    target's :attr:`~onnxport.targets.ExportDefaults.contrib_gelu`)."""
     steps = [
         Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), "identical outputs"),
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),

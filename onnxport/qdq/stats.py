@@ -280,7 +280,7 @@ def _cpu_section(model: onnx.ModelProto, base: Path | None, nodes: list) -> dict
     """This CPU's U8S8 arithmetic, the weight rule the file records, and the weights that x86
     kernels without VNNI could saturate on (they compute something else there)."""
     from .._cpu import cpu_int8
-    from .targets import file_weight_range, weights_beyond_portable
+    from .rules import file_weight_range, weights_beyond_portable
 
     cpu = cpu_int8()
     beyond = weights_beyond_portable(model, base, nodes)
@@ -323,7 +323,7 @@ def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
 
 #: What ORT's CPU provider runs at more cost quantized than a float graph runs it, by the pattern
 #: its optimised graph shows (measured on transformers' EfficientNet-B0 and timm's MobileNetV3 at
-#: batch 1 on two cores; see the README's Known limitations). On 112x112x96: QLinearSigmoid
+#: batch 1 on two cores; see docs/limitations.md). On 112x112x96: QLinearSigmoid
 #: 171 us + QLinearMul 124 us against QuickGelu's 101; a broadcast QLinearMul 263 us on one thread.
 COSTLIER_THAN_FLOAT = {
     "silu": "SiLU as QLinearSigmoid + QLinearMul: two INT8 passes where a float graph runs one fused QuickGelu",

@@ -12,7 +12,7 @@ import onnx
 
 from .._graph import constants, producers, tensor_value
 from ..errors import InvalidArgumentError, VacuousCheckWarning
-from .rounding import check_floor_arguments, cosine, perturbed_runs
+from ..rounding import check_floor_arguments, cosine, perturbed_runs
 
 
 @dataclass(frozen=True)

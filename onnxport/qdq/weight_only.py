@@ -30,7 +30,7 @@ import torch
 from .. import _checks
 from .._io import PROTOBUF_LIMIT
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
-from .rounding import cosine
+from ..rounding import cosine
 
 #: Blocked and int4 DequantizeLinear exist from this opset.
 WEIGHT_ONLY_OPSET = 21

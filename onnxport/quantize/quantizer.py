@@ -16,7 +16,7 @@ from .._cpu import WEIGHT_RANGES
 from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
 from .._torch import require_module
 from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError, OnnxportWarning, check_choice
-from ..qdq.targets import TARGETS, target_record
+from ..targets import TARGETS, get_target
 from .annotate import AnnotationContext, annotate_graph
 from .batch_norm import retarget_inference_batch_norms
 from .calibration import read_calibration
@@ -190,7 +190,7 @@ class Quantizer:
         quantize_embeddings: torchao weight-only: quantize ``nn.Embedding`` weights too (grouped
             along the embedding width). Needed when an embedding shares its weight with a
             quantized ``lm_head`` (tied embeddings).
-        target: a deployment preset for pt2e (see the README's "choosing a target"):
+        target: a deployment preset for pt2e (see docs/targets.md):
             ``'tensorrt'`` — int8, every zero-point 0, per-channel weights, Q/DQ on both add
             inputs (the default behaviour, recorded as a target); ``'onnxruntime'`` — outputs of
             ReLU/ReLU6 on the unsigned range [0, max] (uint8, zero-point 0, so ONNX Runtime drops
@@ -224,27 +224,27 @@ class Quantizer:
     ) -> None:
         self.backend = check_choice(backend, BACKENDS, "backend")
         self.target = None if target is None else check_choice(target, TARGETS, "target")
-        record = target_record(self.target)
+        record = get_target(self.target)
         if weight_range is not None:
             check_choice(weight_range, WEIGHT_RANGES, "weight_range")
             if backend != "pt2e":
                 raise InvalidArgumentError(f"weight_range={weight_range!r} is a pt2e setting; use backend='pt2e'.")
-        self.weight_range = weight_range or ("portable" if record.portable_weights else "full")
+        self.weight_range = weight_range or ("portable" if record.annotation.portable_weights else "full")
         if target is not None and backend != "pt2e":
             raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
-        sixteen = [name for name in TARGETS if 16 in target_record(name).activation_bits]
-        if activation_bits not in record.activation_bits:
+        sixteen = [name for name in TARGETS if 16 in get_target(name).annotation.activation_bits]
+        if activation_bits not in record.annotation.activation_bits:
             raise InvalidArgumentError(
                 f"activation_bits must be 8, or 16 with target={' or '.join(map(repr, sixteen))} (A16W8), "
                 f"not {activation_bits!r}."
             )
         self.activation_bits = activation_bits
-        if record.needs_symmetric and not symmetric:
+        if record.rules.needs_symmetric and not symmetric:
             raise InvalidArgumentError(
                 f"target={target!r} needs symmetric activations ({record.consumer} rejects non-zero zero-points); "
                 f"drop symmetric=False or choose target='qnn'."
             )
-        if record.forces_affine:
+        if record.annotation.forces_affine:
             symmetric = False  # e.g. QNN reads affine unsigned activations
         if backend == "pt2e":
             self.method = check_choice(method or "static", PT2E_METHODS, "method")
@@ -283,7 +283,7 @@ class Quantizer:
             raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
         self.group_size = group_size
         self.symmetric = bool(symmetric)
-        if not self.symmetric and backend == "pt2e" and not record.forces_affine:
+        if not self.symmetric and backend == "pt2e" and not record.annotation.forces_affine:
             warnings.warn(
                 "symmetric=False gives activations non-zero zero-points, which some consumers "
                 "(TensorRT) refuse; keep the default for TensorRT.",
@@ -306,7 +306,7 @@ class Quantizer:
             return QuantSpec(
                 backend="pt2e", method=self.method, weight_bits=8, activation_bits=self.activation_bits,
                 qscheme=self.qscheme,
-                symmetric=self.symmetric and target_record(self.target).activations == "symmetric",
+                symmetric=self.symmetric and get_target(self.target).annotation.activations == "symmetric",
                 placement=self.qdq_placement, skipped_modules=tuple(self.skip_activations),
                 float_layers=tuple(self.float_layers),
                 observer=self.observer if self.method == "static" else "fake_quant", target=self.target,
@@ -328,8 +328,8 @@ class Quantizer:
         per_channel = self.qscheme == "per_channel"
         activation = activation_qspec(self.observer, self.symmetric, is_qat)
         post_relu = None
-        target = target_record(self.target)
-        scheme = target.activations
+        annotation = get_target(self.target).annotation
+        scheme = annotation.activations
         portable = self.weight_range == "portable"
         if scheme == "affine_unsigned":
             activation = activation_qspec(self.observer, False, is_qat, unsigned=True, bits=self.activation_bits)
@@ -341,11 +341,11 @@ class Quantizer:
             weight_transposed=weight_qspec(per_channel, is_qat, axis=1, portable=portable),
             is_qat=is_qat,
             post_relu=post_relu,
-            int8_sigmoid=target.int8_sigmoid,
-            int8_attention=target.int8_attention,
-            float_linear_outputs=target.float_linear_outputs,
-            elementwise_on_quantized=target.elementwise_on_quantized,
-            int32_bias=target.int32_bias,
+            int8_sigmoid=annotation.int8_sigmoid,
+            int8_attention=annotation.int8_attention,
+            float_linear_outputs=annotation.float_linear_outputs,
+            elementwise_on_quantized=annotation.elementwise_on_quantized,
+            int32_bias=annotation.int32_bias,
         )
         return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError
-from .calibration import read_calibration
+from ..quantize.calibration import read_calibration
 
 METRICS = ("cosine", "top1")
 
@@ -65,7 +65,7 @@ class _Trials:
                  metric: str, dynamic_batch: bool) -> None:
         from .._inputs import positional_forward
         from .._torch import require_module
-        from .quantizer import Quantizer, _capture
+        from ..quantize.quantizer import Quantizer, _capture
 
         require_module(model)
         if not isinstance(quantizer, Quantizer) or quantizer.backend != "pt2e" or quantizer.method != "static":
@@ -88,8 +88,8 @@ class _Trials:
         self.seconds = 0.0
 
     def quantize(self, float_layers: Sequence[str]) -> Any:
-        from .placement import check_skip_names
-        from .quantizer import _record_names
+        from ..quantize.placement import check_skip_names
+        from ..quantize.quantizer import _record_names
 
         check_skip_names(self.model, list(float_layers), "float_layers")
         trial = copy.copy(self.quantizer)
@@ -115,8 +115,8 @@ class _Trials:
         return sorted(gains, key=lambda item: -item[1])
 
     def layers(self) -> list[str]:
-        from .placement import quantized_layers
-        from .quantizer import _OnnxportPT2EQuantizer  # noqa: F401 - the annotation lives there
+        from ..quantize.placement import quantized_layers
+        from ..quantize.quantizer import _OnnxportPT2EQuantizer  # noqa: F401 - the annotation lives there
 
         annotated = copy.deepcopy(self.captured)
         self.quantizer._pt2e_quantizer(is_qat=False).annotate(annotated)
@@ -152,7 +152,7 @@ def sensitivity(
         ``[(layer, gain)]``, most sensitive first: ``gain`` is the metric with the layer in float
         minus the metric of the fully quantized model.
     """
-    from .quantizer import Quantizer
+    from ..quantize.quantizer import Quantizer
 
     trials = _Trials(model, quantizer or Quantizer(), calibration_data, eval_data, metric, dynamic_batch)
     names = list(layers) if layers is not None else trials.layers()
@@ -223,7 +223,7 @@ def quantize_within_budget(
     Raises:
         InvalidArgumentError: when even the largest allowed set of float layers misses the budget.
     """
-    from .quantizer import Quantizer
+    from ..quantize.quantizer import Quantizer
 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
         raise InvalidArgumentError(f"budget must be a number in (0, 1] (a cosine or a top-1 agreement), not {budget!r}.")
@@ -289,8 +289,8 @@ def _latency(model: torch.nn.Module, quantized: Any, trials: _Trials) -> dict[st
     from pathlib import Path
 
     from ..export import export_onnx
-    from ..qdq.export import export_qdq
     from ..runtime import ONNXModel
+    from .export import export_qdq
 
     sample = tuple(t[:1] for t in trials.eval[0])
     with tempfile.TemporaryDirectory() as scratch:

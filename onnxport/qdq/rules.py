@@ -1,10 +1,9 @@
-"""Deployment targets: the rules each consumer imposes on a Q/DQ file, checked on the file."""
+"""``check_target``: a target's :class:`~onnxport.targets.FileRules`, checked on a Q/DQ file."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,122 +13,12 @@ from .._cpu import PORTABLE_WEIGHT_RANGE, WEIGHT_RANGE_KEY
 from .._graph import all_constants, consumers, is_default_domain, opset_of, tensor_value, walk_graphs
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
+from ..targets import TARGETS, get_target
+from ..targets._base import I8 as _I8
+from ..targets._base import U8 as _U8
+from ..targets._base import U16 as _U16
 from .view import qdq_nodes
 
-_U8, _U16, _I8 = onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.INT8
-
-
-@dataclass(frozen=True)
-class Target:
-    """One deployment preset: how ``Quantizer`` annotates for it, what ``export_qdq`` writes by
-    default, and the rules ``check_target`` holds its files to.
-
-    Attributes:
-        name: the preset's name (``Quantizer(target=name)``).
-        consumer: who reads the files, in words.
-        activations: the activation quantizer: ``'symmetric'`` (int8, zero-point 0),
-            ``'affine_unsigned'`` (uint8/uint16 over the observed range) or
-            ``'symmetric_unsigned_after_relu'`` (int8 symmetric, but a ReLU/Clip output gets an
-            unsigned range that starts at 0, so ONNX Runtime folds the ReLU).
-        activation_bits: the activation widths the consumer reads.
-        activation_dtype, opset: what ``export_qdq`` writes when not told.
-        opset_16bit: the opset for 16-bit activations (uint16 Q/DQ exist from opset 21).
-        max_opset: the newest opset the consumer's parser reads (``None``: any).
-        activation_types: the Q/DQ types activations may have (``None``: any).
-        weight_type: the type weights must be stored as (``None``: any).
-        zero_points_zero: every zero-point must be 0 (``'all'``), only weights' (``'weights'``) or none.
-        unsigned_allowed: whether uint8/uint16 Q/DQ nodes may appear at all.
-        int32_bias_allowed: whether a DequantizeLinear of an int32 bias may appear.
-        needs_kernel_shape: every Conv must say its ``kernel_shape``.
-        relu_range_from_zero: a ReLU/Clip feeding a Q must meet a range that starts at 0.
-        int8_sigmoid: the consumer runs Sigmoid and LeakyRelu between Q/DQ pairs, so ``Quantizer``
-            quantizes LeakyReLU, Sigmoid and SiLU (split into x·sigmoid(x)) for it.
-        int8_attention: the consumer runs a MatMul of two activations in INT8, so ``Quantizer``
-            splits attention into its products and softmax and quantizes them.
-        float_linear_outputs: the consumer runs a Gemm/MatMul of quantized inputs with a float
-            output (ORT's QGemm, MatMulIntegerToFloat), so ``Quantizer`` leaves a linear layer's
-            output that nothing reads quantized (the logits, GELU's input) unquantized.
-        elementwise_on_quantized: the consumer runs an Add/Mul in INT8 only between pairs on
-            both inputs, so ``Quantizer`` quantizes one only when both operands already are.
-        contrib_gelu: the consumer is ONNX Runtime, which cannot fuse a GELU whose input is a
-            DequantizeLinear: ``export_qdq`` writes that GELU as ORT's ``com.microsoft.Gelu``.
-        int32_bias: ``Quantizer`` stores Conv/Linear biases as int32 (scale = input scale x
-            weight scale), which the consumer reads as its integer kernels' bias; otherwise biases
-            stay float, as the seed's files have them (an annotation choice, apart from the file
-            rule ``int32_bias_allowed``).
-        portable_weights: the consumer runs U8S8 integer kernels on x86 CPUs, which without VNNI
-            add two uint8 x int8 products in a saturating int16 (VPMADDUBSW): ``Quantizer`` keeps
-            int8 weights on [-64, 64] by default (``weight_range='portable'``), where no pair can
-            saturate, and ``check_target`` holds files that do not opt out to that range.
-    """
-
-    name: str
-    consumer: str
-    activations: str
-    activation_bits: tuple[int, ...] = (8,)
-    activation_dtype: str = "int8"
-    opset: int = 18
-    opset_16bit: int = 21
-    max_opset: int | None = None
-    activation_types: frozenset[int] | None = None
-    weight_type: int | None = None
-    zero_points_zero: str | None = None
-    unsigned_allowed: bool = True
-    int32_bias_allowed: bool = True
-    needs_kernel_shape: bool = False
-    relu_range_from_zero: bool = False
-    int8_sigmoid: bool = False
-    int8_attention: bool = False
-    float_linear_outputs: bool = False
-    elementwise_on_quantized: bool = False
-    contrib_gelu: bool = False
-    int32_bias: bool = False
-    portable_weights: bool = False
-    #: the hint a rule broken on activation types gives.
-    activation_hint: str = ""
-
-    @property
-    def forces_affine(self) -> bool:
-        return self.activations == "affine_unsigned"
-
-    @property
-    def needs_symmetric(self) -> bool:
-        return self.zero_points_zero == "all"
-
-    def default_opset(self, activation_bits: int | None) -> int:
-        return self.opset_16bit if activation_bits == 16 else self.opset
-
-
-#: The presets, by name.
-REGISTRY: dict[str, Target] = {
-    "tensorrt": Target(
-        "tensorrt", "TensorRT 8.6+", "symmetric", opset=17, max_opset=17, zero_points_zero="all",
-        unsigned_allowed=False, int32_bias_allowed=False, needs_kernel_shape=True,
-    ),
-    "onnxruntime": Target(
-        "onnxruntime", "ONNX Runtime (CPU, U8S8)", "symmetric_unsigned_after_relu", activation_dtype="uint8",
-        activation_types=frozenset({_U8}), weight_type=_I8, relu_range_from_zero=True, int8_sigmoid=True,
-        int8_attention=True, float_linear_outputs=True, elementwise_on_quantized=True, contrib_gelu=True,
-        int32_bias=True, portable_weights=True,
-        activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
-    ),
-    "qnn": Target(
-        "qnn", "Qualcomm QNN (HTP)", "affine_unsigned", activation_bits=(8, 16), activation_dtype="uint8",
-        activation_types=frozenset({_U8, _U16}), weight_type=_I8, zero_points_zero="weights", int32_bias=True,
-        activation_hint="QNN reads uint8 (or uint16) activations.",
-    ),
-}
-#: What a model quantized without a target gets.
-DEFAULT_TARGET = Target("default", "any ONNX consumer", "symmetric")
-TARGETS = tuple(REGISTRY)
-
-
-def target_record(name: str | None) -> Target:
-    """The :class:`Target` of a preset name (``None``: the default record)."""
-    if name is None:
-        return DEFAULT_TARGET
-    check_choice(name, TARGETS, "target")
-    return REGISTRY[name]
 
 def _label(node: onnx.NodeProto) -> str:
     return f"{node.op_type} '{node.name or node.output[0]}'"
@@ -144,7 +33,8 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     keeps such a ReLU and runs the conv in float). ``'qnn'``: activations uint8 or uint16, weights
     int8 with zero-point 0, uint16 only at opset 21 or later.
     """
-    rules = target_record(check_choice(target, TARGETS, "target"))
+    record = get_target(check_choice(target, TARGETS, "target"))
+    rules, consumer = record.rules, record.consumer
     if isinstance(onnx_path, onnx.ModelProto):
         model, base = onnx_path, None
     else:
@@ -163,11 +53,11 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
         if q.kind == "activation" and dtype is not None:
             activation_types[dtype] += 1
         if rules.zero_points_zero == "all" and zp is not None and np.any(zp != 0):
-            problems.append(f"{label} has a non-zero zero-point; {rules.consumer} needs every zero-point 0.")
+            problems.append(f"{label} has a non-zero zero-point; {consumer} needs every zero-point 0.")
         if not rules.unsigned_allowed and dtype in (_U8, _U16):
-            problems.append(f"{label} is unsigned; {rules.consumer} rejects UINT8 QuantizeLinear/DequantizeLinear.")
+            problems.append(f"{label} is unsigned; {consumer} rejects UINT8 QuantizeLinear/DequantizeLinear.")
         if not rules.int32_bias_allowed and q.kind == "bias":
-            problems.append(f"{label} dequantizes an int32 bias, which {rules.consumer}'s parser rejects.")
+            problems.append(f"{label} dequantizes an int32 bias, which {consumer}'s parser rejects.")
         # A weight is a dequantized constant that a Conv/Gemm/MatMul reads as its weight. Other
         # constant pairs (a position table or mask the exporter folded, quantized with the
         # activation spec) follow neither the weight rules nor the activation ones.
@@ -178,20 +68,20 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
             problems.append(f"{label} stores its weight as {onnx.TensorProto.DataType.Name(dtype)}; "
                             f"{target} wants {onnx.TensorProto.DataType.Name(rules.weight_type).lower()} weights.")
         elif rules.zero_points_zero == "weights" and zp is not None and np.any(zp != 0):
-            problems.append(f"{label} has a weight zero-point other than 0; {rules.consumer} wants symmetric weights.")
+            problems.append(f"{label} has a weight zero-point other than 0; {consumer} wants symmetric weights.")
     if portable:
         problems += [
             f"{label} holds int8 weights on [{low}, {high}], beyond [{PORTABLE_LOW}, {PORTABLE_HIGH}]: on x86 CPUs "
-            f"without VNNI, {rules.consumer}'s U8S8 kernels add two products in a saturating int16 and compute "
+            f"without VNNI, {consumer}'s U8S8 kernels add two products in a saturating int16 and compute "
             f"something else. Quantize with weight_range='portable' (the default), or record weight_range='full' "
             f"for a deployment known to have VNNI/AMX."
             for label, low, high in weights_beyond_portable(model, base)
         ]
     if rules.max_opset is not None and opset > rules.max_opset:
-        problems.append(f"the file declares opset {opset}; export at opset {rules.max_opset} for {rules.consumer}'s parser.")
+        problems.append(f"the file declares opset {opset}; export at opset {rules.max_opset} for {consumer}'s parser.")
     if rules.needs_kernel_shape:
         for graph in walk_graphs(model.graph):
-            problems += [f"Conv '{n}' has no kernel_shape, which {rules.consumer}'s parser needs."
+            problems += [f"Conv '{n}' has no kernel_shape, which {consumer}'s parser needs."
                          for n in convs_missing_kernel_shape(graph)]
     if rules.activation_types is not None:
         wrong = {t: n for t, n in activation_types.items() if t not in rules.activation_types}

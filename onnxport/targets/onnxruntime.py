@@ -1,0 +1,24 @@
+"""ONNX Runtime's CPU provider: U8S8 QLinear kernels.
+
+uint8 activations (a ReLU's output on [0, max], so ORT drops the ReLU and fuses the conv),
+int8 weights on the portable range (its x86 kernels without VNNI saturate on full-range pairs),
+int32 biases its integer kernels read, INT8 attention products, sigmoid and SiLU between pairs,
+linear outputs nothing quantized reads left float (QGemm/MatMulIntegerToFloat), and GELU after a
+DequantizeLinear written as ``com.microsoft.Gelu``, the form ORT fuses there.
+"""
+
+from ._base import I8, U8, Annotation, ExportDefaults, FileRules, Target
+
+TARGET = Target(
+    "onnxruntime",
+    "ONNX Runtime (CPU, U8S8)",
+    annotation=Annotation(
+        activations="symmetric_unsigned_after_relu", int8_sigmoid=True, int8_attention=True,
+        float_linear_outputs=True, elementwise_on_quantized=True, int32_bias=True, portable_weights=True,
+    ),
+    rules=FileRules(
+        activation_types=frozenset({U8}), weight_type=I8, relu_range_from_zero=True, portable_weights=True,
+        activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
+    ),
+    defaults=ExportDefaults(activation_dtype="uint8", contrib_gelu=True),
+)
