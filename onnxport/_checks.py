@@ -42,7 +42,7 @@ def check_dynamic_batch(model: onnx.ModelProto) -> None:
         )
 
 
-def _source(model: onnx.ModelProto | str | os.PathLike, scratch: Path | None, name: str) -> bytes | str:
+def source(model: onnx.ModelProto | str | os.PathLike, scratch: Path | None, name: str) -> bytes | str:
     """What ONNX Runtime and the checker can read: bytes, or a file when over protobuf's limit."""
     if not isinstance(model, onnx.ModelProto):
         return str(model)
@@ -63,7 +63,7 @@ def run(
     scratch: Path | None = None,
 ) -> list[np.ndarray]:
     """Run ``model`` once in ONNX Runtime on CPU; a model it cannot load or run is a refusal."""
-    return run_batches(_source(model, scratch, "run.onnx"), [feeds], optimized=optimized)[0]
+    return run_batches(source(model, scratch, "run.onnx"), [feeds], optimized=optimized)[0]
 
 
 def run_batches(

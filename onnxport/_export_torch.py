@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ._axes import Axes, capture_with_axes, fixed_in_program, specialized_sentence, tracing_inputs
 from ._torch import without_kv_cache
 from .errors import ExportRefusedError, InvalidArgumentError
 
@@ -54,13 +55,6 @@ def check_names(names: Sequence[str] | None, count: int, argument: str, prefix: 
     return names
 
 
-def tracing_inputs(inputs: tuple[torch.Tensor, ...], dynamic_batch: bool) -> tuple[torch.Tensor, ...]:
-    """torch.export specialises a dimension of size 1, so a dynamic batch is traced at size 2."""
-    if dynamic_batch and inputs[0].dim() and inputs[0].shape[0] == 1:
-        return tuple(torch.cat([t, t]) if t.dim() else t for t in inputs)
-    return inputs
-
-
 def torch_program(
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -68,27 +62,19 @@ def torch_program(
     opset_version: int,
     input_names: list[str],
     output_names: list[str],
-    dynamic_batch: bool,
+    axes: Axes,
     custom_translation_table: dict | None = None,
 ) -> torch.onnx.ONNXProgram:
-    """Export with the dynamo exporter at ``max(opset_version, 18)``.
+    """Export with the dynamo exporter at ``max(opset_version, 18)``, with the symbolic ``axes``
+    (checked by :func:`onnxport._axes.resolve_axes`) named as their labels in the file.
 
     The program's ``model`` is an ``onnx_ir`` model whose weights still live in torch (nothing is
     copied until it is saved); ``model_proto`` is the same graph as a protobuf.
     """
-    dynamic_shapes = None
-    if dynamic_batch:
-        for name, t in zip(input_names, inputs):
-            if t.dim() == 0:
-                raise InvalidArgumentError(
-                    f"dynamic_batch=True needs a batch dimension on every input, but '{name}' is a scalar; "
-                    f"pass dynamic_batch=False."
-                )
-        batch = torch.export.Dim("batch")
-        dynamic_shapes = tuple({0: batch} for _ in inputs)
-    inputs = tracing_inputs(inputs, dynamic_batch)
+    inputs = tracing_inputs(inputs, input_names, axes)
     chatter = io.StringIO()
-    try:
+
+    def export(dynamic_shapes: tuple | None) -> torch.onnx.ONNXProgram:
         # The math backend during capture: with the default choice, the stride the tracer gives an
         # SDPA output makes a later reshape a view that the ONNX decomposition then cannot apply
         # (transformers' Swin: "Cannot view a tensor …"); the ONNX translation of SDPA is the same.
@@ -97,7 +83,7 @@ def torch_program(
             warnings.simplefilter("ignore", category=DeprecationWarning)
             warnings.simplefilter("ignore", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*The axis name")
-            program = torch.onnx.export(
+            return torch.onnx.export(
                 model,
                 inputs,
                 None,
@@ -110,10 +96,18 @@ def torch_program(
                 report=False,
                 custom_translation_table=custom_translation_table,
             )
+
+    try:
+        program, guards = capture_with_axes(export, axes, input_names, inputs, model)
+    except InvalidArgumentError:
+        raise
     except Exception as error:  # the exporter raises many types; the cause is kept as __cause__
         raise ExportRefusedError(_capture_failure(model, error)) from error
     if program is None:
         raise ExportRefusedError("torch.onnx.export returned no program.")
+    fixed = fixed_in_program(program.model.graph, axes)
+    if fixed:  # the exporter fell back to a capture that specialised the size
+        raise InvalidArgumentError(specialized_sentence(model, axes, fixed, guards))
     return program
 
 

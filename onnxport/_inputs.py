@@ -133,6 +133,21 @@ def split_batches(inputs: Sequence[torch.Tensor], n_batches: Any, fixed_batch: i
     return list(zip(*(torch.split(t.detach().cpu(), size) for t in inputs)))
 
 
+def forward_aliases(model: Any, names: Sequence[str], keywords: Sequence[str] | None) -> dict[str, str]:
+    """For a positional sample: the model's ``forward`` parameter names, in order, mapped to the
+    file's input names (``{'input_features': 'input'}``), so ``dynamic_axes`` may name an input
+    as the model does."""
+    if keywords:
+        return {}
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    positional = [p.name for p in parameters
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return {alias: name for alias, name in zip(positional, names) if alias != name}
+
+
 @contextlib.contextmanager
 def positional_forward(model: torch.nn.Module, names: Sequence[str] | None) -> Iterator[torch.nn.Module]:
     """``model`` taking the keyword inputs ``names`` positionally, for as long as the block runs.
@@ -191,15 +206,17 @@ def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype.is_floating_point == b.dtype.is_floating_point and a.dtype.is_complex == b.dtype.is_complex
 
 
-def _matches(candidate: Any, reference: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+def _matches(candidate: Any, reference: Sequence[torch.Tensor],
+             free: Sequence[set[int]] | None = None) -> tuple[torch.Tensor, ...] | None:
     if isinstance(candidate, torch.Tensor):
         candidate = (candidate,)
     if not isinstance(candidate, (tuple, list)) or len(candidate) != len(reference):
         return None
-    for got, ref in zip(candidate, reference):
+    for index, (got, ref) in enumerate(zip(candidate, reference)):
         if not isinstance(got, torch.Tensor) or got.dim() != ref.dim() or not _same_kind(got, ref):
             return None
-        if tuple(got.shape[1:]) != tuple(ref.shape[1:]):
+        loose = {0} | (set(free[index]) if free else set())
+        if any(a != b for axis, (a, b) in enumerate(zip(got.shape, ref.shape)) if axis not in loose):
             return None
     return tuple(candidate)
 
@@ -210,20 +227,21 @@ def _by_names(batch: Any, names: Sequence[str] | None) -> Any:
     return batch
 
 
-def split_batch(batch: Any, reference: Sequence[torch.Tensor],
-                names: Sequence[str] | None = None) -> tuple[torch.Tensor, ...] | None:
+def split_batch(batch: Any, reference: Sequence[torch.Tensor], names: Sequence[str] | None = None,
+                free: Sequence[set[int]] | None = None) -> tuple[torch.Tensor, ...] | None:
     """The model inputs held by one calibration batch, or ``None`` when it does not fit.
 
     A batch may be the inputs themselves (a tensor, or a tuple with one tensor per input), or an
     ``(inputs, target…)`` pair as a DataLoader of a labelled data set yields; with ``names``,
     the inputs may be a dict of exactly those keyword inputs. The inputs must match
-    ``reference`` (the sample) in count, rank, dtype kind and every dimension but the batch.
+    ``reference`` (the sample) in count, rank, dtype kind and every dimension but the batch and
+    the ``free`` axes of each input (its symbolic ones: a sequence length).
     """
-    direct = _matches(_by_names(batch, names), reference)
+    direct = _matches(_by_names(batch, names), reference, free)
     if direct is not None:
         return direct
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return _matches(_by_names(batch[0], names), reference)
+        return _matches(_by_names(batch[0], names), reference, free)
     return None
 
 
@@ -246,6 +264,7 @@ def calibration_batches(
     argument: str = "calibration_data",
     limit: int | None = None,
     names: Sequence[str] | None = None,
+    free: Sequence[set[int]] | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Read calibration data into a list of input tuples, checking every batch's structure.
 
@@ -258,14 +277,18 @@ def calibration_batches(
         limit: stop after this many samples (counted along the batch dimension), never
             overshooting: the last batch is trimmed, and no batch past it is read from ``data``
             (at most ``ceil(limit / batch_size)`` batches are pulled).
+        free: per input, the axes besides the batch whose size may differ between batches (the
+            symbolic axes of a capture with ``dynamic_axes``).
     """
     require_batches(data, argument)
     labels = [f"{n}=" for n in names] if names else [""] * len(reference)
-    expected = ", ".join(f"{label}Tensor(N, {', '.join(map(str, t.shape[1:]))})" for label, t in zip(labels, reference))
+    expected = ", ".join(
+        f"{label}Tensor(N, " + ", ".join("*" if free and axis in free[i] else str(n) for axis, n in enumerate(t.shape) if axis) + ")"
+        for i, (label, t) in enumerate(zip(labels, reference)))
     batches: list[tuple[torch.Tensor, ...]] = []
     seen = 0
     for index, batch in enumerate(data):
-        inputs = split_batch(batch, reference, names)
+        inputs = split_batch(batch, reference, names, free)
         if inputs is None:
             raise InvalidArgumentError(
                 f"{argument} batch {index} is {_describe(batch)}, which does not match the model's "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
+from ._axes import resolve_axes
 from ._cpu import WEIGHT_RANGE_KEY, WEIGHT_RANGES
 from ._io import check_output_path, external_data_files, staged_output
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
@@ -113,6 +114,7 @@ def export_onnx(
     calibration_data: Iterable[Any] | None = None,
     optimize: bool = True,
     dynamic_batch: bool = True,
+    dynamic_axes: Mapping[str, Any] | None = None,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     calibration_method: str = "minmax",
@@ -141,7 +143,14 @@ def export_onnx(
         calibration_data: for ``'static'``: an iterable of batches (a DataLoader works), each a
             tensor, a tuple of inputs, or an ``(inputs, target)`` pair.
         optimize: run the onnxslim graph optimiser on the float graph.
-        dynamic_batch: make dim 0 of every input and output symbolic.
+        dynamic_batch: make dim 0 of every input and output symbolic (the shorthand for
+            ``dynamic_axes={name: {0: 'batch'}}`` on every input).
+        dynamic_axes: more symbolic axes, in ``torch.onnx.export``'s form: ``{input_name: {axis:
+            'label'}}`` or ``{input_name: [axes]}``, e.g. ``{'input_ids': {0: 'batch', 1:
+            'sequence'}, 'attention_mask': {0: 'batch', 1: 'sequence'}}``. Inputs that share a
+            label share that size. Names are ``input_names``, or the sample's keyword names. The
+            file is proven at two sizes of every symbolic axis. An axis the model fixes (a mask
+            built with a Python int, a check against one length) is refused, naming it.
         input_names, output_names: names for the graph's inputs and outputs (defaults ``input``
             / ``output``, or ``input_0…`` / ``output_0…`` for several).
         calibration_method: static calibration: ``'minmax'``, ``'entropy'`` or ``'percentile'``.
@@ -163,7 +172,7 @@ def export_onnx(
     import torch
 
     from ._export_torch import check_names, torch_program
-    from ._inputs import bind_sample, calibration_batches, flatten_outputs, positional_forward
+    from ._inputs import bind_sample, calibration_batches, flatten_outputs, forward_aliases, positional_forward
     from ._torch import eval_mode, require_module
 
     # -- everything is validated before anything is written ---------------------------------
@@ -196,6 +205,8 @@ def export_onnx(
         raise InvalidArgumentError("The model returned no tensors on the sample; there is nothing to export.")
     in_names = check_names(input_names if input_names is not None else keywords, len(inputs), "input_names", "input")
     out_names = check_names(output_names, len(reference), "output_names", "output")
+    axes = resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=in_names, inputs=inputs,
+                        aliases=forward_aliases(model, in_names, keywords))
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
 
     # -- export, lower, optimise, check, then (optionally) quantize --------------------------
@@ -203,11 +214,11 @@ def export_onnx(
 
     n_steps = 4 + (1 if quantize else 0)
     with staged_output(target) as staged, tqdm(total=n_steps, desc="export_onnx", leave=False, disable=None) as bar:
-        pipeline = Pipeline(feeds, scratch=staged.parent)
+        pipeline = Pipeline(feeds, scratch=staged.parent, axes=axes)
         with eval_mode(model), positional_forward(model, keywords):
             graph = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names,
-                output_names=out_names, dynamic_batch=dynamic_batch,
+                output_names=out_names, axes=axes,
             ).model
         pipeline.start(graph)
         bar.update()
@@ -218,7 +229,7 @@ def export_onnx(
         del graph
         large = bool(external_data_files(float_path))
         bar.update()
-        pipeline.prove_file(float_path, opset=opset_version, dynamic_batch=dynamic_batch)
+        pipeline.prove_file(float_path, opset=opset_version)
         bar.update()
         if quantize:
             _quantize(
@@ -232,7 +243,7 @@ def export_onnx(
             stripped.metadata_props.add(key=WEIGHT_RANGE_KEY, value=weight_range)
             onnx.save_model(stripped, str(staged))  # external weights stay where they are
             _warn_about_quantized(header, quantize_mode)
-            pipeline.prove_file(staged, opset=opset_version, dynamic_batch=dynamic_batch)
+            pipeline.prove_file(staged, opset=opset_version)
             bar.update()
     return target
 

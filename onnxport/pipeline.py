@@ -23,6 +23,7 @@ import onnx
 import onnx_ir as ir
 
 from . import _checks
+from ._axes import Axes, describe, file_axes_problems, second_size
 from ._io import write_model
 from .errors import ExportRefusedError
 
@@ -48,10 +49,13 @@ class Pipeline:
     Args:
         feeds: the sample, by graph input name, that every run uses.
         scratch: a folder for models over protobuf's 2 GB limit, which can only be run from files.
+        axes: the symbolic axes the file promises; every run is then made at two sizes of each
+            (the sample, and the sample one longer on every symbolic axis).
     """
 
     feeds: Mapping[str, np.ndarray]
     scratch: Path
+    axes: Axes = field(default_factory=dict)
     reference: list[np.ndarray] | None = None
     #: ONNX Runtime sessions this pipeline created (the benchmark reports it).
     sessions: int = 0
@@ -59,9 +63,14 @@ class Pipeline:
     changed: list[str] = field(default_factory=list)
     _produced: onnx.ModelProto | None = field(default=None, repr=False)
 
-    def _run(self, model: onnx.ModelProto | Path, *, optimized: bool, feeds=None) -> list[np.ndarray]:
+    def _sizes(self) -> list[Mapping[str, np.ndarray]]:
+        return [self.feeds, second_size(self.feeds, self.axes)] if self.axes else [self.feeds]
+
+    def _run(self, model: onnx.ModelProto | Path, *, optimized: bool) -> list[np.ndarray]:
+        """Every output at every size, in one session."""
         self.sessions += 1
-        return _checks.run(model, self.feeds if feeds is None else feeds, optimized=optimized, scratch=self.scratch)
+        source = _checks.source(model, self.scratch, "run.onnx")
+        return [out for outs in _checks.run_batches(source, self._sizes(), optimized=optimized) for out in outs]
 
     def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = ()) -> None:
         """Check the graph as the exporter produced it and keep it as the reference.
@@ -114,12 +123,11 @@ class Pipeline:
         path: Path,
         *,
         opset: int,
-        dynamic_batch: bool,
         rules: Iterable[Callable[[Path], None]] = (),
     ) -> None:
         """The written file's promises: the full checker (the proof of every step that changed the
-        graph; a failure names them), declared opset, ``rules``, and runs at the default level —
-        at two batch sizes, in one session, when the batch is dynamic."""
+        graph; a failure names them), declared opset, its symbolic axes, ``rules``, and runs at
+        the default level — at two sizes of every symbolic axis, in one session."""
         try:
             onnx.checker.check_model(str(path), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
@@ -129,12 +137,15 @@ class Pipeline:
             ) from error
         header = onnx.load_model(str(path), load_external_data=False)
         _checks.check_declared_opset(header, opset)
-        if dynamic_batch:
+        fixed = file_axes_problems(header, self.axes)
+        if fixed:
+            raise ExportRefusedError(
+                f"The symbolic axes {describe(self.axes)} were asked for, but in the produced file {', '.join(fixed)}; "
+                f"nothing was kept."
+            )
+        if self.axes and all(self.axes.get(value.name, {}).get(0) == "batch" for value in header.graph.input):
             _checks.check_dynamic_batch(header)
         for rule in rules:
             rule(path)
-        batches = [self.feeds]
-        if dynamic_batch:
-            batches.append({k: np.concatenate([v, v[:1]]) for k, v in self.feeds.items()})
         self.sessions += 1
-        _checks.run_batches(str(path), batches, optimized=True)
+        _checks.run_batches(str(path), self._sizes(), optimized=True)

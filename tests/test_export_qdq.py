@@ -160,7 +160,7 @@ def test_native_translation_is_used_and_the_fallback_agrees(resnet_models, tmp_p
 
     assert exporter_translates_pt2e()  # torch 2.13 + onnxscript 0.7 translate pt2e themselves
     q, _ = resnet_models
-    kwargs = dict(opset_version=18, input_names=["input"], output_names=["output"], dynamic_batch=False)
+    kwargs = dict(opset_version=18, input_names=["input"], output_names=["output"], axes={})
     native = torch_program(q, (SAMPLE,), **kwargs).model_proto
     ours = torch_program(q, (SAMPLE,), custom_translation_table=fallback_table(), **kwargs).model_proto
     feeds = {"input": SAMPLE.numpy()}

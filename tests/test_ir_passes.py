@@ -204,11 +204,13 @@ def test_pipeline_file_proofs_refuse_a_wrong_opset(tmp_path):
     pipeline = Pipeline(FEEDS, scratch=tmp_path)
     model = _matmul_model()
     path = pipeline.write(model, tmp_path / "m.onnx")
-    pipeline.prove_file(path, opset=18, dynamic_batch=False)
+    pipeline.prove_file(path, opset=18)
     with pytest.raises(ExportRefusedError, match="declares opset 18, not the requested 17"):
-        pipeline.prove_file(path, opset=17, dynamic_batch=False)
-    with pytest.raises(ExportRefusedError, match="batch dimension of x, y is fixed"):
-        pipeline.prove_file(path, opset=18, dynamic_batch=True)
+        pipeline.prove_file(path, opset=17)
+    promised = Pipeline(FEEDS, scratch=tmp_path, axes={"x": {0: "batch", 1: "width"}})
+    with pytest.raises(ExportRefusedError, match=r"x: 0=batch, 1=width were asked for, but in the produced file "
+                                                 r"'x' axis 0 \('batch'\) is fixed \(2\), 'x' axis 1 \('width'\) is fixed \(3\)"):
+        promised.prove_file(path, opset=18)
 
 
 def test_strip_qdq_reaches_if_bodies_and_keeps_output_names():

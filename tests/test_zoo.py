@@ -10,9 +10,10 @@ import pytest
 import transformers  # noqa: F401  a test dependency: missing, the suite must fail, not skip
 
 from tests.conftest import assert_faithful
-from tests.zoo import zoo
+from tests.zoo import LENGTHS, TOKENS, zoo
 
 ZOO = {entry.name: entry for entry in zoo()}
+SEQUENCE = {"input_ids": {0: "batch", 1: "sequence"}}
 
 
 def _first(outputs) -> np.ndarray:
@@ -45,19 +46,35 @@ def test_float_export_matches_torch_and_runs_the_same_in_openvino(tmp_path, name
 
     entry = ZOO[name]
     model, sample = entry.model(), entry.sample()
-    path = export_onnx(model, sample, tmp_path / "model.onnx")  # default opset 17, dynamic batch
-    report = compare_onnx(model, path, entry.sample(batch=3, seed=1), atol=1e-4, rtol=1e-3)
-    assert report.passed, str(report)
-    other = entry.sample(batch=3, seed=2)
-    ort_first = _first(ONNXModel(path)(other))
-    ov_first = _openvino(path, other.numpy())
-    assert ov_first.shape == ort_first.shape
-    np.testing.assert_allclose(ov_first, ort_first, atol=1e-3, rtol=1e-3)
-    # the comparisons mean something only if the model's output depends on its input
-    assert np.ptp(ort_first, axis=0).max() > 1e-3 * max(1.0, np.abs(ort_first).max())
+    # text models with a symbolic sequence too (by forward's name for the input, as users write
+    # it), run shorter than traced, as traced and longer
+    axes, lengths = (SEQUENCE, LENGTHS) if entry.kind == "tokens" else (None, (None,))
+    path = export_onnx(model, sample, tmp_path / "model.onnx", dynamic_axes=axes)  # default opset 17, dynamic batch
+    for length in lengths:
+        report = compare_onnx(model, path, entry.sample(batch=3, seed=1, length=length), atol=1e-4, rtol=1e-3)
+        assert report.passed, (length, str(report))
+        other = entry.sample(batch=3, seed=2, length=length)
+        ort_first = _first(ONNXModel(path)(other))
+        ov_first = _openvino(path, other.numpy())
+        assert ov_first.shape == ort_first.shape
+        np.testing.assert_allclose(ov_first, ort_first, atol=1e-3, rtol=1e-3)
+        # the comparisons mean something only if the model's output depends on its input
+        assert np.ptp(ort_first, axis=0).max() > 1e-3 * max(1.0, np.abs(ort_first).max())
+        if entry.kind != "audio":  # logits: the same class everywhere
+            assert (ov_first.argmax(-1) == ort_first.argmax(-1)).all()
     _assert_fusable(path)
-    if entry.kind != "audio":  # logits: the same class everywhere
-        assert (ov_first.argmax(-1) == ort_first.argmax(-1)).all()
+
+
+def test_whisper_encoder_frames_are_refused_by_its_line(tmp_path):
+    """Whisper's encoder checks its frame count against a fixed length: the axis cannot be symbolic."""
+    from onnxport import export_onnx
+    from onnxport.errors import InvalidArgumentError
+
+    entry = ZOO["Whisper encoder"]
+    with pytest.raises(InvalidArgumentError, match=r"'input' axis 2 \('frames'\) to 32 \(at modeling_whisper\.py:\d+"):
+        export_onnx(entry.model(), entry.sample(), tmp_path / "w.onnx",
+                    dynamic_axes={"input_features": {0: "batch", 2: "frames"}})
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -70,10 +87,12 @@ def test_every_target_exports_agrees_with_its_pt2e_model_and_runs_in_openvino(tm
 
     entry = ZOO[name]
     model = entry.model()
-    calibration = [entry.sample(batch=4, seed=s) for s in (10, 11)]
+    text = entry.kind == "tokens"
+    # text models captured with a symbolic sequence, calibrated on two lengths
+    calibration = [entry.sample(batch=4, seed=s, length=n if text else None) for s, n in ((10, 16), (11, 24))]
     check = entry.sample(batch=4, seed=3)
     for target in ("tensorrt", "onnxruntime", "qnn"):
-        quantized = Quantizer(target=target).quantize(model, calibration)
+        quantized = Quantizer(target=target).quantize(model, calibration, dynamic_axes=SEQUENCE if text else None)
         path = export_qdq(quantized, entry.sample(), tmp_path / f"{target}.onnx", dynamic_batch=True)
         layers = compare_layers(quantized, path, check)
         assert layers.first_divergence is None, (target, str(layers))
@@ -82,6 +101,11 @@ def test_every_target_exports_agrees_with_its_pt2e_model_and_runs_in_openvino(tm
         # Random weights make a deep net chaotic, so the bound is the model's own one-ulp floor,
         # which both kinds of CPU meet; the per-layer check above carries the exact proof.
         assert_faithful(quantized, path, check)
+        for length in LENGTHS if text else ():  # as faithful shorter and longer than traced, in both runtimes
+            if length != TOKENS:
+                other = entry.sample(batch=4, seed=4, length=length)
+                assert_faithful(quantized, path, other)
+                assert _openvino(path, other.numpy()).shape == _first(ONNXModel(path)(other)).shape
         if target == "onnxruntime":
             _assert_fusable(path)
         ort_first = _first(ONNXModel(path)(check))

@@ -11,6 +11,8 @@ import torch
 
 IMAGE = 64  # pixels per side: small enough for CI, large enough for four stages of striding
 TOKENS = 16
+#: symbolic-sequence checks: shorter than traced, traced, longer (the zoo's position tables hold 64)
+LENGTHS = (8, TOKENS, 48)
 VOCAB = 500
 
 
@@ -29,9 +31,12 @@ class ZooModel:
     kind: str  # 'image' | 'tokens' | 'audio'
     shape: tuple[int, ...] | None = None
 
-    def sample(self, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    def sample(self, batch: int = 2, seed: int = 0, length: int | None = None) -> torch.Tensor:
+        """A batch of inputs; ``length``: tokens per row instead of the default (text models)."""
         generator = torch.Generator().manual_seed(seed)
         shape = (batch, *(self.shape or _SHAPES[self.kind]))
+        if length is not None:
+            shape = (batch, length, *shape[2:])
         if self.kind == "tokens":
             return torch.randint(3, VOCAB, shape, generator=generator)
         return torch.randn(*shape, generator=generator)

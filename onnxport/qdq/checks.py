@@ -106,6 +106,16 @@ def activation_zero_points(model: torch.nn.Module) -> Iterable[tuple[int, torch.
             yield int(node.args[2]), node.args[5]
 
 
+def captured_symbolic_axes(model: torch.nn.Module) -> list[set[int]]:
+    """Per input of a captured graph module, the axes torch.export kept symbolic."""
+    out = []
+    for node in (n for n in model.graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("val")
+        shape = value.shape if isinstance(value, torch.Tensor) else ()
+        out.append({axis for axis, size in enumerate(shape) if isinstance(size, torch.SymInt)})
+    return out
+
+
 def captured_with_dynamic_batch(model: torch.nn.Module) -> bool:
     """True when every tensor input of the graph module has a symbolic first dimension."""
     placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]

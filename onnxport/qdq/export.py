@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
+from .._axes import BATCH, captured_axes, resolve_axes
 from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.contrib_gelu import DequantizedGeluPass
@@ -23,17 +24,18 @@ from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
 from ..pipeline import Pipeline, Step
+from ..targets import get_target
 from .checks import (
     activation_zero_points,
+    captured_symbolic_axes,
     captured_with_dynamic_batch,
     check_faithful,
     check_standard_qdq,
     model_qparams,
     pt2e_qdq_nodes,
 )
-from .stats import qdq_stats
-from ..targets import get_target
 from .rules import WEIGHT_RANGE_KEY, check_target
+from .stats import qdq_stats
 from .weight_only import WEIGHT_ONLY_OPSET, QuantizedWeight, export_weight_only, quantized_weights
 
 ACTIVATION_DTYPES = ("int8", "uint8")
@@ -72,6 +74,20 @@ def _preconditions(model: Any, spec: Any, activation_dtype: str, dynamic_batch: 
         )
 
 
+def _check_captured_axes(model: Any, axes: dict, names: Sequence[str]) -> None:
+    """Every axis the file is to have symbolic was captured symbolic."""
+    symbolic = captured_symbolic_axes(model)
+    for name, wanted in axes.items():
+        position = list(names).index(name)
+        fixed = [axis for axis in wanted if position < len(symbolic) and axis not in symbolic[position]]
+        if fixed:
+            raise InvalidArgumentError(
+                f"dynamic_axes asks for {name!r} axis {fixed[0]} ({wanted[fixed[0]]!r}) symbolic, but the model was "
+                f"captured with that size fixed: quantize with Quantizer(...).quantize(model, data, "
+                f"dynamic_axes={{{name!r}: {{{fixed[0]}: {wanted[fixed[0]]!r}}}}}) first."
+            )
+
+
 def export_qdq(
     model: Any,
     sample: Any,
@@ -80,6 +96,7 @@ def export_qdq(
     opset_version: int | None = None,
     activation_dtype: str | None = None,
     dynamic_batch: bool = False,
+    dynamic_axes: Mapping[str, Any] | None = None,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
 ) -> Path:
@@ -101,6 +118,10 @@ def export_qdq(
             (``'uint8'`` for ``'onnxruntime'`` and ``'qnn'``, else ``'int8'``).
         dynamic_batch: write a symbolic batch dimension (the model must have been captured with
             one: ``Quantizer.quantize(..., dynamic_batch=True)``, the default).
+        dynamic_axes: symbolic axes in ``torch.onnx.export``'s form (``{input_name: {axis:
+            'label'}}``); by default the axes the model was captured with
+            (``Quantizer.quantize(..., dynamic_axes=...)``), its batch only with
+            ``dynamic_batch=True``. Every promise is checked at two sizes of each.
         input_names, output_names: graph input/output names (defaults as ``export_onnx``).
 
     A file for the ``'onnxruntime'`` target writes a GELU whose input is a DequantizeLinear as
@@ -139,7 +160,8 @@ def export_qdq(
     if weights or (spec is not None and spec.weight_only):
         return _export_weight_only_checked(
             model, inputs, target, spec, weights, opset_version=opset_version, activation_dtype=activation_dtype,
-            dynamic_batch=dynamic_batch, input_names=input_names, output_names=output_names, keywords=keywords,
+            dynamic_batch=dynamic_batch, dynamic_axes=dynamic_axes, input_names=input_names, output_names=output_names,
+            keywords=keywords,
         )
     preset = spec.target if spec is not None else None
     defaults = get_target(preset).defaults
@@ -151,16 +173,18 @@ def export_qdq(
     n_outputs = _count_outputs(model, inputs)
     in_names = check_names(input_names, len(inputs), "input_names", "input")
     out_names = check_names(output_names, n_outputs, "output_names", "output")
+    axes = _file_axes(model, dynamic_axes, dynamic_batch, in_names, inputs)
+    _check_captured_axes(model, axes, in_names)
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
 
     from tqdm.auto import tqdm
 
     with staged_output(target) as staged, tqdm(total=4, desc="export_qdq", leave=False, disable=None) as bar:
-        pipeline = Pipeline(feeds, scratch=staged.parent)
+        pipeline = Pipeline(feeds, scratch=staged.parent, axes=axes)
         with eval_mode(model):
             graph = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
-                dynamic_batch=dynamic_batch, custom_translation_table=translation_table(),
+                axes=axes, custom_translation_table=translation_table(),
             ).model
         pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
@@ -170,7 +194,7 @@ def export_qdq(
         bar.update()
         pipeline.write(graph, staged)
         bar.update()
-        pipeline.prove_file(staged, opset=opset_version, dynamic_batch=dynamic_batch,
+        pipeline.prove_file(staged, opset=opset_version,
                             rules=_record_rules(spec, preset))
         bar.update()
     return target
@@ -239,10 +263,11 @@ def _export_weight_only_checked(
     input_names: Sequence[str] | None,
     output_names: Sequence[str] | None,
     keywords: tuple[str, ...] | None = None,
+    dynamic_axes: Mapping[str, Any] | None = None,
 ) -> Path:
     """The weight-only path of :func:`export_qdq`: validate everything, then export, write, check."""
     from .._export_torch import check_names
-    from .._inputs import positional_forward
+    from .._inputs import forward_aliases, positional_forward
     from ..export import _validate_opset
 
     precision = spec.describe() if spec is not None else "torchao weight-only"
@@ -265,6 +290,8 @@ def _export_weight_only_checked(
             f"quantize it with Quantizer(backend='torchao', method='int4_weight_only') again."
         )
     in_names = check_names(input_names, len(inputs), "input_names", "input")
+    axes = resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=in_names, inputs=inputs,
+                        aliases=forward_aliases(model, in_names, keywords))
 
     from tqdm.auto import tqdm
 
@@ -272,9 +299,23 @@ def _export_weight_only_checked(
             positional_forward(model, keywords):
         export_weight_only(
             model, inputs, staged, weights=weights, opset_version=opset_version, in_names=in_names,
-            out_names=None if output_names is None else list(output_names), dynamic_batch=dynamic_batch, bar=bar,
+            out_names=None if output_names is None else list(output_names), axes=axes, bar=bar,
         )
     return target
+
+
+def _file_axes(model: Any, dynamic_axes: Any, dynamic_batch: bool, names: list[str], inputs: tuple) -> dict:
+    """The axes the file gets: those asked for, or those the model was captured with (its batch
+    only with ``dynamic_batch``)."""
+    if dynamic_axes is None:
+        captured = captured_axes(model)
+        if captured:
+            dynamic_axes = {
+                name: {axis: label for axis, label in spec.items() if not (axis == 0 and label == BATCH)}
+                for name, spec in zip(names, captured)
+            }
+            dynamic_axes = {name: spec for name, spec in dynamic_axes.items() if spec} or None
+    return resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=names, inputs=inputs)
 
 
 def _count_outputs(model: Any, inputs: tuple) -> int:

@@ -28,6 +28,7 @@ import onnx_ir as ir
 import torch
 
 from .. import _checks
+from .._axes import describe, file_axes_problems, second_size
 from .._io import PROTOBUF_LIMIT
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
 from ..rounding import cosine
@@ -405,7 +406,7 @@ def export_weight_only(
     opset_version: int,
     in_names: list[str],
     out_names: list[str] | None,
-    dynamic_batch: bool,
+    axes: dict,
     bar: Any,
 ) -> None:
     """Export, rewrite, write and check a weight-only model into ``staged``."""
@@ -425,7 +426,7 @@ def export_weight_only(
     with eval_mode(stand_ins):
         program = torch_program(
             stand_ins, inputs, opset_version=max(opset_version, EXPORTER_MIN_OPSET), input_names=in_names,
-            output_names=out_names, dynamic_batch=dynamic_batch,
+            output_names=out_names, axes=axes,
         )
     del stand_ins
     onnx_model = program.model
@@ -440,9 +441,16 @@ def export_weight_only(
     onnx.checker.check_model(str(staged))
     _checks.check_declared_opset(onnx.load_model(str(staged), load_external_data=False), opset_version)
     check_weights_faithful(staged, weights)
-    plain = make_session(staged, optimized=False).run(None, feeds)
+    plain_session = make_session(staged, optimized=False)
+    plain = plain_session.run(None, feeds)
     check_agreement(plain, reference, out_names, "At ONNX Runtime's unoptimised level")
-    del plain
+    if axes:  # the promise of every symbolic axis: the file agrees at a second size too
+        grown = second_size(feeds, axes)
+        with eval_mode(model), torch.no_grad():
+            grown_reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*(torch.from_numpy(v) for v in grown.values())))]
+        check_agreement(plain_session.run(None, grown), grown_reference, out_names,
+                        f"At ONNX Runtime's unoptimised level, one longer on every symbolic axis ({describe(axes)})")
+    del plain, plain_session
     _return_freed_memory()
     bar.update()
     optimised = staged.parent / "ort-optimised.onnx"
@@ -463,9 +471,11 @@ def export_weight_only(
             RuntimePrecisionWarning,
             stacklevel=4,
         )
-    if dynamic_batch:
-        _checks.check_dynamic_batch(onnx.load_model(str(staged), load_external_data=False))
-        session.run(None, {k: np.concatenate([v, v[:1]]) for k, v in feeds.items()})
+    if axes:
+        fixed = file_axes_problems(onnx.load_model(str(staged), load_external_data=False), axes)
+        if fixed:
+            raise ExportRefusedError(f"The symbolic axes {describe(axes)} were asked for, but in the file {', '.join(fixed)}.")
+        session.run(None, second_size(feeds, axes))
     del session
     ops = [n.op_type for n in onnx.load_model(str(optimised), load_external_data=False).graph.node]
     fused = ops.count("MatMulNBits")

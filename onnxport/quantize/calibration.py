@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._inputs import calibration_batches, keyword_inputs, require_batches
+from .._inputs import calibration_batches, forward_aliases, keyword_inputs, require_batches
 from ..errors import InvalidArgumentError
 
 
@@ -58,10 +58,12 @@ def first_inputs(batch: Any, model: torch.nn.Module, argument: str) -> tuple[tor
 
 
 def read_calibration(
-    data: Iterable[Any] | None, model: torch.nn.Module, limit: int | None, argument: str = "calibration_dl"
+    data: Iterable[Any] | None, model: torch.nn.Module, limit: int | None, argument: str = "calibration_dl",
+    dynamic_axes: Any = None,
 ) -> tuple[list[tuple[torch.Tensor, ...]], tuple[str, ...] | None]:
     """Every calibration batch as a tuple of CPU tensors, checked against the first batch, and the
-    keyword names of those inputs when the batches are dicts (``None`` when positional)."""
+    keyword names of those inputs when the batches are dicts (``None`` when positional). With
+    ``dynamic_axes`` (checked here, against the first batch), batches may differ along them."""
     require_batches(data, argument)
     iterator = iter(data)
     first = next(iterator, None)
@@ -72,5 +74,15 @@ def read_calibration(
         names, reference = keyword_inputs(inputs, f"{argument}'s first batch")
     else:
         names, reference = None, first_inputs(first, model, argument)
-    batches = calibration_batches(itertools.chain([first], iterator), reference, argument, limit=limit, names=names)
+    free = None
+    if dynamic_axes is not None:
+        from .._axes import resolve_axes
+        from .._export_torch import default_names
+
+        labels = names or tuple(default_names("input", len(reference)))
+        axes = resolve_axes(dynamic_axes, dynamic_batch=False, names=labels, inputs=reference,
+                            aliases=forward_aliases(model, labels, names))
+        free = [set(axes.get(name, {})) for name in labels]
+    batches = calibration_batches(itertools.chain([first], iterator), reference, argument, limit=limit, names=names,
+                                  free=free)
     return batches, names

@@ -12,6 +12,7 @@ import torch
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
+from .._axes import AXES_KEY
 from .._cpu import WEIGHT_RANGES
 from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
 from .._torch import require_module
@@ -131,19 +132,31 @@ def _model_device_check(model: torch.nn.Module) -> None:
             )
 
 
-def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_batch: bool) -> GraphModule:
-    from .._export_torch import tracing_inputs
+def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_batch: bool,
+             dynamic_axes: Any = None, names: tuple[str, ...] | None = None) -> GraphModule:
+    """torch.export ``model`` as one graph, with a symbolic batch (``dynamic_batch``) and the
+    symbolic ``dynamic_axes`` (by ``names``, the keyword names, or ``input``/``input_<i>``);
+    the captured axes are kept in the graph's meta for ``export_qdq``."""
+    from .._axes import capture_with_axes, fixed_in_capture, resolve_axes, specialized_sentence, tracing_inputs
+    from .._export_torch import default_names
+    from .._inputs import forward_aliases
     from .._torch import without_kv_cache
 
-    dynamic_shapes = None
-    if dynamic_batch:
-        batch = torch.export.Dim("batch")
-        dynamic_shapes = tuple({0: batch} if t.dim() else None for t in inputs)
-        inputs = tracing_inputs(inputs, True)
-    try:
+    keywords = names
+    names = tuple(names or default_names("input", len(inputs)))
+    axes = resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=names, inputs=inputs,
+                        aliases=forward_aliases(model, names, keywords))
+    inputs = tracing_inputs(inputs, names, axes)
+
+    def export(dynamic_shapes: tuple | None) -> Any:
         with warnings.catch_warnings(), without_kv_cache(model):
             warnings.simplefilter("ignore", FutureWarning)
-            exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            return torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+
+    try:
+        exported, guards = capture_with_axes(export, axes, names, inputs, model)
+    except InvalidArgumentError:
+        raise
     except Exception as error:
         first = (str(error).strip().splitlines() or [""])[0]
         text = f"{type(error).__name__} {error}".lower()
@@ -159,7 +172,12 @@ def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_b
             f"torch.export failed with {type(error).__name__}: {first}. {advice}"
         ) from error
     # check_guards=False: the guard submodule is unpicklable, and our batch is free anyway.
-    return exported.module(check_guards=False)
+    module = exported.module(check_guards=False)
+    fixed = fixed_in_capture(module, names, axes)
+    if fixed:
+        raise InvalidArgumentError(specialized_sentence(model, axes, fixed, guards))
+    module.meta[AXES_KEY] = [axes.get(name, {}) for name in names]
+    return module
 
 
 class Quantizer:
@@ -356,6 +374,7 @@ class Quantizer:
         calibration_dl: Iterable[Any] | None = None,
         max_calibration_samples: int | None = 1024,
         dynamic_batch: bool = True,
+        dynamic_axes: Mapping[str, Any] | None = None,
     ) -> torch.nn.Module:
         """Return a quantized copy of ``model``; the model passed in is never modified.
 
@@ -367,6 +386,12 @@ class Quantizer:
                 the last batch is trimmed); ``None`` uses every batch.
             dynamic_batch: pt2e: capture with a symbolic batch dimension, so the quantized model
                 runs at any batch size and ``export_qdq(dynamic_batch=True)`` can keep it.
+            dynamic_axes: pt2e: more symbolic axes, in ``torch.onnx.export``'s form (``{input_name:
+                {axis: 'label'}}`` or ``{input_name: [axes]}``; names are the calibration batches'
+                keyword names, or ``input``/``input_<i>``), e.g. a sequence length: the model is
+                captured with them, calibrated on batches that may differ along them, and
+                ``export_qdq`` writes them. Scales never depend on the length. An axis the model
+                fixes is refused, naming it.
         """
         require_module(model)
         _model_device_check(model)
@@ -387,11 +412,14 @@ class Quantizer:
             check_skip_names(model, self.skip_activations)
         if self.float_layers:
             check_skip_names(model, self.float_layers, "float_layers")
-        batches, names = read_calibration(calibration_dl, model, max_calibration_samples)
+        batches, names = read_calibration(calibration_dl, model, max_calibration_samples, dynamic_axes=dynamic_axes)
         work = copy.deepcopy(model).eval()
         with positional_forward(work, names):
-            captured = _capture(work, batches[0], dynamic_batch)
-        return _record_names(self._quantize_captured(captured, batches, dynamic_batch), names)
+            captured = _capture(work, batches[0], dynamic_batch, dynamic_axes, names)
+        axes = captured.meta.get(AXES_KEY)
+        quantized = self._quantize_captured(captured, batches, dynamic_batch)
+        quantized.meta[AXES_KEY] = axes
+        return _record_names(quantized, names)
 
     def _quantize_captured(self, captured: GraphModule, batches: list[tuple[torch.Tensor, ...]],
                            dynamic_batch: bool) -> GraphModule:
@@ -426,10 +454,12 @@ class Quantizer:
                 prepared(*inputs)
 
     # -- QAT -------------------------------------------------------------------------------
-    def prepare(self, model: torch.nn.Module, example_inputs: Any, dynamic_batch: bool = True) -> GraphModule:
+    def prepare(self, model: torch.nn.Module, example_inputs: Any, dynamic_batch: bool = True,
+                dynamic_axes: Mapping[str, Any] | None = None) -> GraphModule:
         """QAT: return a trainable copy of ``model`` with fake-quantization inserted.
 
         Train it as usual (it is in training mode), then call :meth:`convert`.
+        ``dynamic_batch`` and ``dynamic_axes`` are as for :meth:`quantize`.
         """
         if self.backend != "pt2e" or self.method != "qat":
             raise InvalidArgumentError("prepare() is for Quantizer(backend='pt2e', method='qat'); use quantize().")
@@ -447,9 +477,11 @@ class Quantizer:
             check_skip_names(model, self.float_layers, "float_layers")
         work = copy.deepcopy(model).train()
         with positional_forward(work, names):
-            captured = _capture(work, inputs, dynamic_batch)
+            captured = _capture(work, inputs, dynamic_batch, dynamic_axes, names)
+        axes = captured.meta.get(AXES_KEY)
         prepared = prepare_qat_pt2e(captured, self._pt2e_quantizer(is_qat=True))
         prepared.meta["onnxport_qat_pending"] = self.spec()
+        prepared.meta[AXES_KEY] = axes
         return _record_names(prepared, names)
 
     def convert(self, prepared: GraphModule) -> GraphModule:
@@ -461,12 +493,15 @@ class Quantizer:
             raise InvalidArgumentError("convert() takes the model returned by Quantizer.prepare().")
         spec = prepared.meta.pop("onnxport_qat_pending")
         names = recorded_input_names(prepared)
+        axes = prepared.meta.get(AXES_KEY)
         move_exported_model_to_eval(prepared)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             converted = convert_pt2e(prepared)
         _release_device_caches()
-        return _record_names(_finish_pt2e(converted, spec), names)
+        converted = _finish_pt2e(converted, spec)
+        converted.meta[AXES_KEY] = axes
+        return _record_names(converted, names)
 
     # -- torchao -----------------------------------------------------------------------------
     def _torchao(self, model: torch.nn.Module) -> torch.nn.Module:
