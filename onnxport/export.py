@@ -22,7 +22,7 @@ from .passes.optimize import OnnxSlimPass
 from .passes.pool_window import PoolWindowPass
 from .passes.rsqrt_div import RsqrtToDivPass
 from .passes.strip_unused_opsets import strip_unused_opsets
-from .pipeline import Pipeline, Step
+from .pipeline import IdenticalOutputs, LastBit, Pipeline, Step, Structural
 
 QUANTIZE_MODES = ("dynamic", "static")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
@@ -251,18 +251,18 @@ def export_onnx(
 def float_steps(opset_version: int, optimize: bool) -> list[Step]:
     """The graph steps of :func:`export_onnx`, in order, each with its proof."""
     steps = [
-        Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
-        Step("order GELUs for fusion", GeluOrderPass(), "identical outputs"),
+        Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), IdenticalOutputs),
+        Step("order GELUs for fusion", GeluOrderPass(), IdenticalOutputs),
         # one ulp apart in ORT's unoptimised run (another summation order or one rounding fewer),
         # equal in its optimised run and in torch: the checker is their proof (see qdq_steps)
-        Step("write rsqrt as a division", RsqrtToDivPass(), "checker"),
-        Step("clip pool windows to their input", PoolWindowPass(), "checker"),
+        Step("write rsqrt as a division", RsqrtToDivPass(), LastBit),
+        Step("clip pool windows to their input", PoolWindowPass(), LastBit),
     ]
     if optimize:
         # onnxslim's constant folding may round differently from the unfolded graph, so its
         # proof is the checker; verify_onnx measures agreement with the model.
-        steps.append(Step("optimise with onnxslim", OnnxSlimPass(), "checker"))
-    steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"))
+        steps.append(Step("optimise with onnxslim", OnnxSlimPass(), LastBit))
+    steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
     return steps
 
 

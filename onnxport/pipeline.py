@@ -2,10 +2,11 @@
 file's proofs, with the file written once.
 
 A step is an ``onnx_ir`` pass and the proof that its result still computes what the exporter
-produced: ``'identical outputs'`` (ONNX Runtime, unoptimised, byte for byte against the
-reference outputs, which are computed once, when first needed) or ``'checker'`` (for rewrites
-that change no value, or may move a last bit: those come after every identical-outputs step,
-whose reference is the graph as produced). A step that changes nothing is not proven again, and a refusal names its
+produced, one of three :class:`Proof` kinds: :class:`IdenticalOutputs` (ONNX Runtime,
+unoptimised, byte for byte against the reference outputs, computed once, when first needed),
+:class:`Structural` (a rewrite that changes no value: the checker) and :class:`LastBit` (a
+rewrite that may move a last bit: the checker, and no identical-outputs step after it, since its
+reference is the graph as produced — the Pipeline refuses a list in the wrong order). A step that changes nothing is not proven again, and a refusal names its
 step. Every step that changed the graph is also held to ``onnx.checker`` with full shape
 inference, run once on the written file: :meth:`Pipeline.prove_file` checks the file as the user
 will read it — that checker, the declared opset, the record's rules, and runs at ONNX Runtime's
@@ -27,19 +28,61 @@ from ._axes import Axes, describe, file_axes_problems, second_size
 from ._io import write_model
 from .errors import ExportRefusedError
 
-PROOFS = ("identical outputs", "checker")
+class Proof:
+    """How a step's result is proven; the Pipeline enforces the order the kinds may come in."""
+
+    label = ""
+    #: proven against the graph-as-produced outputs (so no last-bit step may come before it)
+    needs_reference = False
+    #: leaves those outputs a last bit off (so no step that needs them may come after it)
+    moves_last_bit = False
+
+
+class IdenticalOutputs(Proof):
+    """ONNX Runtime, unoptimised, byte for byte against the outputs of the graph as produced.
+    Valid only while every earlier step left those outputs exactly as they were."""
+
+    label, needs_reference = "identical outputs", True
+
+
+class Structural(Proof):
+    """The rewrite changes no value (an attribute, an opset import): ``onnx.checker`` on the
+    file. It may come anywhere."""
+
+    label = "checker (no value changes)"
+
+
+class LastBit(Proof):
+    """The rewrite may move a value by its last bit (another summation order, one rounding
+    fewer), so the graph-as-produced outputs are no reference after it: ``onnx.checker`` on
+    the file, and no step proven by identical outputs may follow."""
+
+    label, moves_last_bit = "checker (a last bit may move)", True
 
 
 @dataclass(frozen=True)
 class Step:
-    """One named rewrite of the graph and how its result is proven (one of :data:`PROOFS`)."""
+    """One named rewrite of the graph and how its result is proven (a :class:`Proof` kind)."""
 
     name: str
     rewrite: ir.passes.PassBase
-    proof: str = "identical outputs"
+    proof: type[Proof] = IdenticalOutputs
 
     def __post_init__(self) -> None:
-        assert self.proof in PROOFS, f"unknown proof {self.proof!r}"
+        assert isinstance(self.proof, type) and issubclass(self.proof, Proof), f"unknown proof {self.proof!r}"
+
+
+def check_order(steps: Sequence[Step]) -> None:
+    """Refuse a step list whose proofs cannot hold: a step proven by identical outputs after one
+    that may move a last bit would compare against a reference the graph no longer computes."""
+    after = None
+    for step in steps:
+        if step.proof.needs_reference and after is not None:
+            raise AssertionError(
+                f"Step '{step.name}' is proven by {step.proof.label} but follows '{after}', proven by "
+                f"{LastBit.label}: its reference outputs no longer hold. Order the steps by proof.")
+        if step.proof.moves_last_bit and after is None:
+            after = step.name
 
 
 @dataclass
@@ -62,6 +105,7 @@ class Pipeline:
     #: the steps that changed the graph, in order.
     changed: list[str] = field(default_factory=list)
     _produced: onnx.ModelProto | None = field(default=None, repr=False)
+    _applied: list[Step] = field(default_factory=list, repr=False)
 
     def _sizes(self) -> list[Mapping[str, np.ndarray]]:
         return [self.feeds, second_size(self.feeds, self.axes)] if self.axes else [self.feeds]
@@ -92,7 +136,11 @@ class Pipeline:
         return self.reference
 
     def apply(self, model: ir.Model, steps: Sequence[Step]) -> ir.Model:
-        """Run ``steps`` in order on ``model``, proving each one that changes it."""
+        """Run ``steps`` in order on ``model``, proving each one that changes it (their order
+        checked first, and across calls: a later call may not bring an identical-outputs step
+        after a last-bit one)."""
+        check_order([*self._applied, *steps])
+        self._applied.extend(steps)
         for step in steps:
             try:
                 result = step.rewrite(model)
@@ -102,7 +150,7 @@ class Pipeline:
             if not result.modified:
                 continue
             self.changed.append(step.name)
-            if step.proof == "identical outputs":
+            if step.proof is IdenticalOutputs:
                 reference = self._reference()
                 proto = ir.to_proto(model)
                 try:

@@ -40,6 +40,13 @@ class AddConvKernelShapePass(ir.passes.InPlacePass):
                 modified = True
         return ir.passes.PassResult(model, modified)
 
+    def ensures(self, model: ir.Model) -> None:
+        missing = [node.name for node in nodes(model) if node.op_type == "Conv" and is_default(node)
+                   and "kernel_shape" not in node.attributes and len(node.inputs) > 1
+                   and (dims := constant_shape(node.inputs[1])) is not None and len(dims) >= 3]
+        if missing:
+            raise ir.passes.PostconditionError(f"Conv nodes with a constant weight and no kernel_shape: {missing[:5]}")
+
 
 def add_conv_kernel_shape(model: onnx.ModelProto) -> onnx.ModelProto:
     """Return a copy of ``model`` in which every Conv whose weight is a constant has ``kernel_shape``."""

@@ -56,6 +56,11 @@ class LowerOpsetPass(ir.passes.InPlacePass):
         super().__init__()
         self.target = target
 
+    def ensures(self, model: ir.Model) -> None:
+        declared = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+        if declared is not None and declared > self.target:
+            raise ir.passes.PostconditionError(f"the model still declares opset {declared}, above {self.target}")
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
         if self.current is None or self.target >= self.current:

@@ -23,7 +23,7 @@ from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
-from ..pipeline import Pipeline, Step
+from ..pipeline import IdenticalOutputs, LastBit, Pipeline, Step, Structural
 from ..targets import get_target
 from .checks import (
     activation_zero_points,
@@ -204,26 +204,26 @@ def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = Fa
     """The graph steps of :func:`export_qdq`, in order, each with its proof (``contrib_gelu``: the
     target's :attr:`~onnxport.targets.ExportDefaults.contrib_gelu`)."""
     steps = [
-        Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), "identical outputs"),
-        Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), "identical outputs"),
-        Step("fold weight transposes", FoldWeightTransposePass(), "identical outputs"),
-        Step("fold zero pads into convs", FoldPadIntoConvPass(), "identical outputs"),
-        Step("order GELUs for fusion", GeluOrderPass(), "identical outputs"),
-        Step("add Conv kernel_shape", AddConvKernelShapePass(), "checker"),
-        Step("drop unused opset imports", RemoveUnusedOpsetsPass(), "checker"),
+        Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), IdenticalOutputs),
+        Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), IdenticalOutputs),
+        Step("fold weight transposes", FoldWeightTransposePass(), IdenticalOutputs),
+        Step("fold zero pads into convs", FoldPadIntoConvPass(), IdenticalOutputs),
+        Step("order GELUs for fusion", GeluOrderPass(), IdenticalOutputs),
+        Step("add Conv kernel_shape", AddConvKernelShapePass(), Structural),
+        Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural),
     ]
     if activation_dtype == "uint8":
-        steps.append(Step("move activations to uint8", ActivationsToUint8Pass(), "identical outputs"))
+        steps.append(Step("move activations to uint8", ActivationsToUint8Pass(), IdenticalOutputs))
     # Last: ORT's unoptimised run of a global pool or a clipped window sums in another order, and a
     # quotient rounds once where the product of a reciprocal rounded twice (one ulp apart; its
     # optimised run and torch agree with the original), and identical-outputs proofs
     # compare with the graph as produced, so no such proof may follow a step that can move a last bit.
-    steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), "checker"))
-    steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), "checker"))
-    steps.append(Step("clip pool windows to their input", PoolWindowPass(), "checker"))
+    steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
+    steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), LastBit))
+    steps.append(Step("clip pool windows to their input", PoolWindowPass(), LastBit))
     if contrib_gelu:
         # the fused kernel may round a last bit unlike the five ops: the checker is its proof
-        steps.append(Step("write dequantized GELUs as ORT's Gelu", DequantizedGeluPass(), "checker"))
+        steps.append(Step("write dequantized GELUs as ORT's Gelu", DequantizedGeluPass(), LastBit))
     return steps
 
 
