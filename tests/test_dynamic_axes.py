@@ -120,11 +120,18 @@ def test_export_qdq_refuses_an_axis_the_capture_fixed(tmp_path, bert):
 
 
 # -- text: float, pt2e, weight-only -------------------------------------------------------------
+def _with_segments(tokens: dict) -> dict:
+    segments = torch.zeros_like(tokens["input_ids"])
+    segments[:, tokens["input_ids"].shape[1] // 2:] = 1
+    return {**tokens, "token_type_ids": segments}
+
+
 def test_bert_float_file_runs_at_any_length(tmp_path, bert):
-    path = export_onnx(bert, _tokens(2, 16), tmp_path / "bert.onnx", dynamic_axes=SEQ)
-    assert _dims(path) == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}
+    axes = {**SEQ, "token_type_ids": {0: "batch", 1: "sequence"}}
+    path = export_onnx(bert, _with_segments(_tokens(2, 16)), tmp_path / "bert.onnx", dynamic_axes=axes)
+    assert _dims(path) == {name: ["batch", "sequence"] for name in ("input_ids", "attention_mask", "token_type_ids")}
     for length in (5, 16, 40):  # shorter than traced, traced, longer (the position table holds 64)
-        report = compare_onnx(bert, path, _tokens(3, length, seed=length))
+        report = compare_onnx(bert, path, _with_segments(_tokens(3, length, seed=length)))
         assert report.passed, (length, str(report))
 
 
