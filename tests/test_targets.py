@@ -20,10 +20,11 @@ from onnxport import (
 )
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.qdq.stats import ort_int8_counts, ort_optimised_ops
+from onnxport.targets import get_target
 from tests.conftest import listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer
 
-TARGETS = ("tensorrt", "onnxruntime", "qnn")
+TARGETS = ("tensorrt", "onnxruntime", "qnn", "openvino")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_each_preset_passes_its_own_rules(preset_files, name, target):
     path = preset_files[name, target]
     assert check_target(path, target) == []
     opset = next(e.version for e in onnx.load(str(path)).opset_import if e.domain == "")
-    assert opset == (17 if target == "tensorrt" else 18)
+    assert opset == get_target(target).defaults.opset
 
 
 @pytest.mark.parametrize("name, convs", [("resnet", 20), ("mobilenet", 19)])
@@ -351,7 +352,7 @@ def test_export_refuses_a_file_that_breaks_its_target(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"target": "openvino"}, "target must be one of 'tensorrt', 'onnxruntime', 'qnn'"),
+        ({"target": "coreml"}, "target must be one of 'tensorrt', 'onnxruntime', 'qnn', 'openvino'"),
         ({"target": "tensorrt", "symmetric": False}, "needs symmetric activations"),
         ({"activation_bits": 16}, "activation_bits must be 8, or 16 with target='qnn'"),
         ({"backend": "torchao", "method": "int8_weight_only", "target": "qnn"}, "pt2e preset"),

@@ -10,10 +10,10 @@ naming it in ``_MODULES``.
 from __future__ import annotations
 
 from ..errors import check_choice
-from . import default, onnxruntime, qnn, tensorrt
+from . import default, onnxruntime, openvino, qnn, tensorrt
 from ._base import Annotation, ExportDefaults, FileRules, Target
 
-_MODULES = (tensorrt, onnxruntime, qnn)
+_MODULES = (tensorrt, onnxruntime, qnn, openvino)
 
 #: The presets, by name.
 REGISTRY: dict[str, Target] = {m.TARGET.name: m.TARGET for m in _MODULES}
