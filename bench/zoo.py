@@ -87,38 +87,25 @@ def zoo_models() -> list:
 
 
 def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[str, dict[int, list[float]]]:
-    """Each round's median milliseconds per file and batch; in a round each file runs alone in a
-    fresh session."""
-    import gc
-
+    """Each round's median milliseconds per file and batch (:func:`onnxport.runtime.interleaved_ms`:
+    in a round each file runs alone in a fresh session, the order rotating)."""
     import onnxruntime as ort
+
+    from onnxport.runtime import interleaved_ms
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     # random weights push some FP32 activations into subnormal floats (EfficientNet-B0's
     # squeeze-excite: 280 ms instead of ~20), which trained weights do not: flush them for every file
     options.add_session_config_entry("session.set_denormal_as_zero", "1")
-    rounds: dict[str, dict[int, list[float]]] = {name: {batch: [] for batch in inputs} for name in files}
-    names = list(files)
-    for turn in range(ROUNDS):
-        # One session at a time: an idle session's worker threads keep spinning after its run, and
-        # on two cores they slowed the next file by up to half (ConvNeXt-atto: 14.5 ms beside the
-        # other three sessions, 9.7 ms alone). Each file takes each place in the turn in rotation.
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
-            session = ort.InferenceSession(str(files[name]), options, providers=["CPUExecutionProvider"])
-            for batch, data in inputs.items():
-                feed = {session.get_inputs()[0].name: data}
-                for _ in range(WARMUP):
-                    session.run(None, feed)
-                times = []
-                for _ in range(RUNS):
-                    start = time.perf_counter()
-                    session.run(None, feed)
-                    times.append((time.perf_counter() - start) * 1000)
-                rounds[name][batch].append(statistics.median(times))
-            del session
-            gc.collect()
-    return rounds
+    import onnx
+
+    # every file of one model takes the same input name
+    name = onnx.load(str(next(iter(files.values()))), load_external_data=False).graph.input[0].name
+    batches = list(inputs)
+    feeds = [{name: inputs[batch]} for batch in batches]
+    timed = interleaved_ms(files, feeds, rounds=ROUNDS, runs=RUNS, warmup=WARMUP, session_options=options)
+    return {name: dict(zip(batches, per_feed)) for name, per_feed in timed.items()}
 
 
 def _fused(path: Path) -> dict:
@@ -209,15 +196,14 @@ def run(out_dir: Path | None = None) -> dict:
 
     results: dict = {"_isa": cpu_int8().describe()}
     logging.getLogger("torch").setLevel(logging.ERROR)
-    for entry in models:
+
+    def measure(entry, folder: Path) -> dict:
         start = time.perf_counter()
-        folder = out / entry.name.replace(" ", "_")
-        folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            results[entry.name] = _one(entry, folder)
-        results[entry.name]["bench_seconds"] = time.perf_counter() - start
-        print(f"  {entry.name}: {results[entry.name]['bench_seconds']:.0f} s", file=sys.stderr, flush=True)
+        result = _one(entry, folder)
+        result["bench_seconds"] = time.perf_counter() - start
+        return result
+
+    results.update(each_model({m.name for m in models}, out, measure))
     return results
 
 

@@ -123,7 +123,7 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
         strip_qdq,
         verify_qdq,
     )
-    from .runtime import ONNXModel, make_session
+    from .runtime import ONNXModel, interleaved_ms, make_session
 
     started = time.perf_counter()
     out = Path(out)
@@ -204,7 +204,8 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
                                       "max_abs_difference": float(np.max(np.abs(a - b)))}
     record("qdq_from_encodings", out / "qdq_from_encodings.onnx", q_logits)
 
-    timed = _interleaved_ms(paths, {"input": x_test[:LATENCY_BATCH].numpy()}, rounds)
+    timed = {name: per_feed[0] for name, per_feed in interleaved_ms(
+        paths, [{"input": x_test[:LATENCY_BATCH].numpy()}], rounds=rounds, runs=_RUNS).items()}
     for name, row in rows.items():
         row["latency_ms"] = statistics.median(timed[name])
         row["speedup_vs_fp32"] = statistics.median(f / t for f, t in zip(timed["fp32"], timed[name]))
@@ -218,29 +219,6 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
 #: session overheads, not INT8 kernels, decide the figure
 LATENCY_BATCH = 32
 _RUNS = 10
-
-
-def _interleaved_ms(paths: dict[str, Path], feeds: dict, rounds: int) -> dict[str, list[float]]:
-    """Each round's median milliseconds per file at ORT's default level: in every round each file
-    runs alone in a fresh session (an idle session's threads would slow the next), in an order
-    that rotates, so the machine's drift falls on every file alike."""
-    from .runtime import make_session
-
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    names = list(paths)
-    for turn in range(rounds):
-        for name in names[turn % len(names):] + names[:turn % len(names)]:
-            session = make_session(str(paths[name]), optimized=True)
-            for _ in range(3):
-                session.run(None, feeds)
-            runs = []
-            for _ in range(_RUNS):
-                start = time.perf_counter()
-                session.run(None, feeds)
-                runs.append((time.perf_counter() - start) * 1000)
-            times[name].append(statistics.median(runs))
-            del session
-    return times
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -272,9 +250,9 @@ def summary_table(report: dict[str, Any]) -> str:
         "",
         f"AIMET encodings round trip: {rt['entries']} entries written to qdq_int8.encodings and converted back: {outcome}",
         "(top-1 vs torch: float rows against the float model, Q/DQ rows against the pt2e model they came from)",
-        f"(ORT ms: batch {report['latency']['batch']}, the median over {report['latency']['rounds']} interleaved rounds of "
-        f"{report['latency']['runs_per_round']} runs, each file alone in a fresh session; x FP32: the median of the "
-        f"rounds' own ratios)",
+        (f"(ORT ms: batch {report['latency']['batch']}, the median over {report['latency']['rounds']} interleaved rounds of "
+         f"{report['latency']['runs_per_round']} runs, each file alone in a fresh session; x FP32: the median of the "
+         f"rounds' own ratios)"),
         f"total {report['seconds']:.0f} s",
     ]
     return "\n".join(lines)

@@ -199,6 +199,44 @@ class ONNXModel:
         return self
 
 
+def interleaved_ms(
+    paths: dict[str, str | os.PathLike],
+    feeds: Sequence[dict[str, np.ndarray]],
+    *,
+    rounds: int,
+    runs: int = 6,
+    warmup: int = 3,
+    session_options: Any = None,
+) -> dict[str, list[list[float]]]:
+    """Latency of several files measured side by side: ``{name: [per feed: each round's median
+    milliseconds]}`` at ONNX Runtime's default level.
+
+    In every round each file runs alone in a fresh session (an idle session's threads keep
+    spinning and slow the next one: on two cores by up to half), in an order that rotates, so the
+    machine's drift falls on every file alike; compare files by the median of the rounds' own
+    ratios, not by a ratio of medians.
+    """
+    import gc
+
+    times: dict[str, list[list[float]]] = {name: [[] for _ in feeds] for name in paths}
+    names = list(paths)
+    for turn in range(rounds):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            session = make_session(str(paths[name]), optimized=True, session_options=session_options)
+            for index, feed in enumerate(feeds):
+                for _ in range(warmup):
+                    session.run(None, feed)
+                samples = []
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    session.run(None, feed)
+                    samples.append((time.perf_counter() - start) * 1e3)
+                times[name][index].append(statistics.median(samples))
+            del session
+            gc.collect()
+    return times
+
+
 @dataclass(frozen=True)
 class OutputComparison:
     """How one ONNX output compares with the PyTorch output in the same position."""
