@@ -123,11 +123,6 @@ def _check_shared_sizes(axes: Axes, names: Sequence[str], inputs: Sequence[torch
             seen.setdefault(label, (name, axis, size))
 
 
-def beyond_batch(axes: Axes) -> bool:
-    """True when an axis other than the batch is symbolic."""
-    return any(label != BATCH or axis != 0 for spec in axes.values() for axis, label in spec.items())
-
-
 def describe(axes: Axes) -> str:
     return "; ".join(f"{name}: " + ", ".join(f"{axis}={label}" for axis, label in spec.items())
                      for name, spec in axes.items()) or "none"
