@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import openvino  # a test dependency: missing, the suite must fail, not skip
 import pytest
 import torch
 
@@ -19,15 +20,12 @@ from onnxport.rounding import cosine
 from tests.models import TinyTransformer
 from tests.test_portable import _token_task, _train
 
-ov = pytest.importorskip("openvino")  # noqa: F841 — a test dependency; the import names it
-
 #: the plugin's layer types that multiply by a weight or an activation
 _PRODUCTS = ("Convolution", "GroupConvolution", "FullyConnected", "MatMul")
 
 
 def openvino_runtime(path) -> tuple[Counter, object]:
     """(layer type, runtime precision) of every op in the CPU plugin's compiled graph, and the model."""
-    import openvino
 
     compiled = openvino.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     counts: Counter = Counter()
