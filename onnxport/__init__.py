@@ -14,10 +14,16 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "export_onnx": ".export",
     "ONNXModel": ".runtime",
-    "compare_onnx": ".runtime",
-    "verify_onnx": ".runtime",
-    "ComparisonReport": ".runtime",
-    "OutputComparison": ".runtime",
+    "compare_onnx": ".compare.exported",
+    "verify_onnx": ".compare.exported",
+    "Report": ".compare",
+    "OutputResult": ".compare",
+    "RunResults": ".compare",
+    "compare_runs": ".compare",
+    "run_onnx": ".compare",
+    "run_torch": ".compare",
+    "ComparisonReport": ".compare.exported",
+    "OutputComparison": ".compare.exported",
     "save_model": ".files",
     "OnnxportError": ".errors",
     "InvalidArgumentError": ".errors",
@@ -57,6 +63,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .compare import OutputResult, Report, RunResults, compare_runs, run_onnx, run_torch
+    from .compare.exported import ComparisonReport, OutputComparison, compare_onnx, verify_onnx
     from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
     from .errors import (
         DependencyError,
@@ -74,13 +82,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from .files import save_model
     from .qdq.export import export_qdq
     from .qdq.layers import LayerReport, LayerRow, compare_layers
-    from .rounding import rounding_floor
-    from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.rules import check_target
+    from .qdq.sensitivity import BudgetResult, quantize_within_budget, sensitivity
+    from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import Quantizer, QuantSpec, precision_table, quant_spec
-    from .qdq.sensitivity import BudgetResult, quantize_within_budget, sensitivity
-    from .runtime import ComparisonReport, ONNXModel, OutputComparison, compare_onnx, verify_onnx
+    from .rounding import rounding_floor
+    from .runtime import ONNXModel
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ import onnx
 
 from ._graph import opset_of
 from ._io import needs_external_data, write_model
+from .compare import Exact, RunResults, compare_runs
 from .errors import ExportRefusedError
 from .runtime import make_session
 
@@ -67,12 +68,23 @@ def run(
 
 
 def run_batches(
-    source: bytes | str, batches: list[Mapping[str, np.ndarray]], *, optimized: bool
+    source: bytes | str, batches: list[Mapping[str, np.ndarray]], *, optimized: bool,
+    save_optimised: Path | None = None,
 ) -> list[list[np.ndarray]]:
-    """One ONNX Runtime session on ``source``, run once per feed dict in ``batches``."""
+    """One ONNX Runtime session on ``source``, run once per feed dict in ``batches``
+    (``save_optimised``: where ORT also writes the graph it optimised, weights beside it)."""
     level = "default" if optimized else "unoptimised"
+    options = None
+    if save_optimised is not None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(save_optimised)
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         save_optimised.name + ".data")
+        options.log_severity_level = 3  # saving an optimised graph warns that it is machine-specific
     try:
-        session = make_session(source, optimized=optimized)
+        session = make_session(source, optimized=optimized, session_options=options)
         return [session.run(None, dict(feeds)) for feeds in batches]
     except Exception as error:  # ORT's pybind errors share no base class worth naming
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -84,13 +96,17 @@ def run_batches(
 def check_identical_outputs(
     got: list[np.ndarray], expected: list[np.ndarray], what: str
 ) -> None:
-    """Raise unless both runs returned the same outputs, byte for byte."""
+    """Raise unless both runs returned the same outputs, byte for byte (the :class:`Exact` strategy)."""
     if len(got) != len(expected):
         raise ExportRefusedError(f"{what}: {len(got)} outputs instead of {len(expected)}; nothing was kept.")
-    for index, (a, b) in enumerate(zip(got, expected)):
-        a, b = np.asarray(a), np.asarray(b)
-        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
-            diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.shape == b.shape else float("nan")
+    report = compare_runs(_numbered("the rewritten graph", got), _numbered("the graph as produced", expected), Exact())
+    for index, result in enumerate(report.outputs):
+        if not result.passed:
             raise ExportRefusedError(
-                f"{what}: output {index} differs from the graph as produced (max abs diff {diff:.3g}); nothing was kept."
+                f"{what}: output {index} differs from the graph as produced (max abs diff {result.max_abs_error:.3g}"
+                + (f", {result.note}" if result.note else "") + "); nothing was kept."
             )
+
+
+def _numbered(runner: str, outputs: list[np.ndarray]) -> RunResults:
+    return RunResults(runner, {str(i): np.asarray(a) for i, a in enumerate(outputs)}, 0)

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -25,6 +26,8 @@ from .errors import InvalidArgumentError, UnsafeExternalDataError, WriteError
 #: Protobuf cannot serialise a message of 2 GiB or more; bigger models keep their weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
 _EXTERNAL_SIZE_THRESHOLD = 1024  # tensors smaller than this stay inside the .onnx file
+#: weights above this many bytes go to external data: room for the graph itself under the limit
+EXTERNAL_DATA_BYTES = PROTOBUF_LIMIT - 64 * 1024 * 1024
 
 
 def read_onnx(path: str | os.PathLike, argument: str = "model", *, load_external_data: bool = False) -> onnx.ModelProto:
@@ -103,7 +106,7 @@ def _tensor_bytes(model: onnx.ModelProto) -> int:
 
 def needs_external_data(model: onnx.ModelProto) -> bool:
     """True when the model cannot be serialised as one protobuf (its tensors reach 2 GB)."""
-    return _tensor_bytes(model) >= PROTOBUF_LIMIT - 64 * 1024 * 1024
+    return _tensor_bytes(model) >= EXTERNAL_DATA_BYTES
 
 
 def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -392,6 +395,39 @@ def write_model(
     return path
 
 
+def save_ir(model: Any, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+    """Write an ``onnx_ir`` model with ``ir.save`` (not atomic: use inside :func:`staged_output`).
+
+    Tensors stream to the file one by one, including lazily loaded external ones, so writing
+    costs no copy of the weights. ``external_data=None`` stores weights in ``<name>.data`` beside
+    the file only when they would not fit one protobuf; ``True`` or ``False`` forces the choice.
+    """
+    import onnx_ir as ir
+
+    path = Path(path)
+    if external_data is None:
+        size, lazy = _ir_tensor_bytes(model)
+        # a lazily loaded tensor is copied into this file's own data, never left pointing elsewhere
+        external_data = lazy or size > EXTERNAL_DATA_BYTES
+    ir.save(model, path, external_data=path.name + ".data" if external_data else None,
+            size_threshold_bytes=_EXTERNAL_SIZE_THRESHOLD)
+    return path
+
+
+def _ir_tensor_bytes(model: Any) -> tuple[int, bool]:
+    """Bytes of every constant (initializers and tensor attributes, subgraphs included), and
+    whether any of them is an external tensor still on disk."""
+    import onnx_ir as ir
+
+    total, lazy = 0, False
+    for graph in (model.graph, *model.graph.subgraphs()):
+        tensors = [v.const_value for v in graph.initializers.values() if v.const_value is not None]
+        tensors += [a.as_tensor() for node in graph for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR]
+        total += sum(t.nbytes for t in tensors)
+        lazy = lazy or any(isinstance(t, ir.ExternalTensor) for t in tensors)
+    return total, lazy
+
+
 @contextlib.contextmanager
 def staged_output(output_path: str | os.PathLike) -> Iterator[Path]:
     """Stage a file for ``output_path`` and move it into place only if the block succeeds.
@@ -471,12 +507,19 @@ def _restore(moved_aside: list[tuple[Path, Path]], placed: list[Path]) -> bool:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write a text file (a JSON report) through a temporary file beside it, then replace."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write a small file (a report, saved run results) through a temporary file beside it, then replace."""
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise InvalidArgumentError(f"The directory of '{target}' does not exist; create '{directory}' first.")
     handle, scratch = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=directory)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
         os.replace(scratch, target)
     except OSError as error:
         raise WriteError(f"Writing '{target}' failed ({error.strerror or error}); nothing was left behind.") from error

@@ -1,4 +1,4 @@
-"""Running ONNX files: ``ONNXModel``, and comparing a file with the PyTorch model it came from."""
+"""Running ONNX files: ``ONNXModel``, sessions, and latency measured interleaved."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import InvalidArgumentError
-from .rounding import cosine
 
 _ORT_TO_NUMPY = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -237,120 +235,10 @@ def interleaved_ms(
     return times
 
 
-@dataclass(frozen=True)
-class OutputComparison:
-    """How one ONNX output compares with the PyTorch output in the same position."""
-
-    name: str
-    shape: tuple[int, ...]
-    max_abs_error: float
-    max_rel_error: float
-    cosine_similarity: float
-    passed: bool
-
-
-@dataclass(frozen=True)
-class ComparisonReport:
-    """Per-output agreement between a PyTorch model and an ONNX file; ``passed`` if all pass."""
-
-    outputs: tuple[OutputComparison, ...]
-    rtol: float
-    atol: float
-    passed: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "passed", all(o.passed for o in self.outputs))
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"passed": self.passed}
-
-    def __str__(self) -> str:
-        lines = [f"{'output':<20} {'shape':<18} {'max abs':>10} {'max rel':>10} {'cosine':>9}  ok"]
-        for o in self.outputs:
-            lines.append(
-                f"{o.name:<20} {str(list(o.shape)):<18} {o.max_abs_error:>10.3g} {o.max_rel_error:>10.3g} "
-                f"{o.cosine_similarity:>9.6f}  {'yes' if o.passed else 'NO'}"
-            )
-        return "\n".join(lines)
-
-
-def _compare_arrays(name: str, got: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> OutputComparison:
-    got64 = np.asarray(got, dtype=np.float64).reshape(-1)
-    ref64 = np.asarray(ref, dtype=np.float64).reshape(-1)
-    diff = np.abs(got64 - ref64)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    rel = diff / np.maximum(np.abs(ref64), np.finfo(np.float32).tiny)
-    max_rel = float(rel.max()) if rel.size else 0.0
-    # A float kernel's rounding grows with the values it adds, not with the element it gives: an
-    # element near zero in an output whose values reach 45 (cancellation of terms of that size)
-    # may be 1e-4 off in a correct file. So atol counts in units of the output's largest
-    # magnitude when that is above 1.
-    finite = np.abs(ref64[np.isfinite(ref64)])
-    scale = max(1.0, float(finite.max())) if finite.size else 1.0
-    passed = bool(np.all((got64 == ref64) | (diff <= atol * scale + rtol * np.abs(ref64))))  # NaN fails; equal infs pass
-    return OutputComparison(name, tuple(np.shape(ref)), max_abs, max_rel, cosine(got64, ref64), passed)
-
-
-def compare_onnx(
-    model: Any, onnx_path: str | os.PathLike, sample: Any, rtol: float = 1e-3, atol: float = 1e-5
-) -> ComparisonReport:
-    """Run ``model`` and the ONNX file on ``sample`` and compare every output.
-
-    Args:
-        model: the PyTorch ``nn.Module`` the file was exported from (run in eval mode, then its
-            mode is restored).
-        onnx_path: the ONNX file.
-        sample: a tensor, a tuple of tensors (one per input) or a dict of them by name (as for
-            :func:`export_onnx`).
-        rtol, atol: each element must be within ``atol · max(1, M) + rtol · |expected|`` of
-            PyTorch's, ``M`` the output's largest magnitude: float kernels that add in another
-            order round in proportion to the values they add, so an element near zero in an
-            output that reaches 45 may be 1e-4 off in a correct file (as ``numpy.allclose`` for
-            outputs within ±1).
-    """
-    import torch
-
-    from ._inputs import bind_sample, file_batch, flatten_outputs, split_batches
-    from ._torch import eval_mode, require_module
-
-    require_module(model)
-    call, inputs, names = bind_sample(model, sample)
-    onnx_model = ONNXModel(onnx_path)
-    # a file exported with a fixed batch runs the sample in batches of its own size
-    batches = split_batches(inputs, 1, file_batch(onnx_path))
-    with eval_mode(model), torch.no_grad():
-        refs = [[t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))] for batch in batches]
-    gots = [run_inputs(onnx_model, batch, names) for batch in batches]
-    reference, got = _joined(refs), _joined(gots)
-    if len(got) != len(reference):
-        raise InvalidArgumentError(
-            f"The file has {len(got)} outputs but the model returns {len(reference)}; was it exported from this model?"
-        )
-    return ComparisonReport(
-        tuple(_compare_arrays(name, g, r, rtol, atol) for name, g, r in zip(onnx_model.output_names, got, reference)),
-        rtol,
-        atol,
-    )
-
-
-def _joined(runs: list[list[np.ndarray]]) -> list[np.ndarray]:
-    """Each output of several batch runs, concatenated along the batch."""
-    return runs[0] if len(runs) == 1 else [np.concatenate(parts) for parts in zip(*runs)]
-
-
-def run_inputs(runner: ONNXModel, inputs: tuple, names: Sequence[str] | None) -> list[np.ndarray]:
-    """Run ``inputs`` through the file: by name when they were given by keyword and the file's
-    inputs carry those names (a dict's order need not be the file's), positionally otherwise."""
-    if names is not None and set(names) == set(runner.input_names):
-        return runner.run_numpy(**dict(zip(names, inputs)))
-    return runner.run_numpy(*inputs)
-
-
-def verify_onnx(
-    model: Any, onnx_path: str | os.PathLike, sample: Any, rtol: float = 1e-3, atol: float = 1e-5
-) -> bool:
-    """True when every output of the ONNX file matches the PyTorch model within tolerance.
-
-    See :func:`compare_onnx` for the per-output figures behind the answer.
-    """
-    return compare_onnx(model, onnx_path, sample, rtol=rtol, atol=atol).passed
+def session_options_for(optimized: bool) -> ort.SessionOptions | None:
+    """ONNX Runtime's default level (``None``: its own defaults), or every graph optimisation off."""
+    if optimized:
+        return None
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options

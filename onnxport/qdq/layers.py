@@ -29,10 +29,13 @@ import numpy as np
 import onnx
 
 from .._graph import all_constants, producers
+from ..compare import OutputResult, Report
 from ..errors import InvalidArgumentError
 from .view import QDQNode, qdq_nodes
 
 CAUSES = ("rounding", "float_kernel", "qparams", "structure", "propagated")
+#: the causes that are a defect of the file (rounding and its propagation are not)
+_DEFECTS = ("qparams", "structure", "float_kernel")
 #: One quantization step, with room for the float32 rounding of (q - zp) * scale itself.
 _ONE_STEP = 1 + 1e-3
 _UINT8_SHIFT = 128  # export_qdq's activations_to_uint8 moves int8 zero-points by this
@@ -66,24 +69,30 @@ class LayerRow:
 
 
 @dataclass(frozen=True)
-class LayerReport:
+class LayerReport(Report):
     """Every compared tensor in the file's topological order, and where they first part ways.
 
+    The comparison model's :class:`~onnxport.compare.Report`, per tensor instead of per output:
+    ``bool(report)`` is true when no layer is at fault (``first_divergence`` is ``None``).
     ``first_divergence`` is the earliest defect (``qparams``, ``float_kernel``, ``structure``);
     ``first_over_one_step`` the earliest tensor more than one step off for any reason (one-step
     rounding flips that accumulate through later layers read as ``propagated``).
     """
 
-    rows: tuple[LayerRow, ...]
-    first_divergence: LayerRow | None
-    n_samples: int
-    optimized: bool
+    rows: tuple[LayerRow, ...] = ()
+    first_divergence: LayerRow | None = None
+    optimized: bool = False
     first_over_one_step: LayerRow | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergence is None
 
     def as_dict(self) -> dict[str, Any]:
         return {"rows": [asdict(r) for r in self.rows], "n_samples": self.n_samples, "optimized": self.optimized,
                 "first_divergence": asdict(self.first_divergence) if self.first_divergence else None,
-                "first_over_one_step": asdict(self.first_over_one_step) if self.first_over_one_step else None}
+                "first_over_one_step": asdict(self.first_over_one_step) if self.first_over_one_step else None,
+                "passed": self.passed}
 
     def worst(self, n: int = 12) -> list[LayerRow]:
         return sorted(self.rows, key=lambda r: -(r.error_in_steps if r.error_in_steps is not None else 0.0))[:n]
@@ -528,10 +537,13 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
                 cause, note = ("rounding" if n_off else None), ""
             rows.append(LayerRow(index, "dequantize", reader.name or reader.output[0], "DequantizeLinear", t.node.name,
                                  shape, max_abs, steps, cosine, n_off, t.scale, cause, (), note))
-    rows += _output_rows(file_model, got, ref, joined, base, isolated)
+    outputs = _output_rows(file_model, got, ref, joined, base, isolated)
+    rows += [row for _, row in outputs]
     rows.sort(key=lambda r: (r.index, r.kind != "layer"))
     over = next((r for r in rows if r.error_in_steps is not None and r.error_in_steps > _ONE_STEP), None)
-    return LayerReport(tuple(rows), _first_divergence(rows), sum(int(b[0].shape[0]) for b in batches), False, over)
+    return LayerReport(outputs=_as_outputs(outputs), rows=tuple(rows), first_divergence=_first_divergence(rows), n_samples=sum(int(b[0].shape[0]) for b in batches),
+                       optimized=False, first_over_one_step=over, strategy="compare_layers: the file's tensors against the pt2e model's",
+                       runners=("onnxruntime (unoptimised)", "torch"))
 
 
 def _isolated_run(file_model: onnx.ModelProto, anchors: list[_FileAnchor], matched: dict, batches: list[tuple],
@@ -555,7 +567,8 @@ def _isolated_run(file_model: onnx.ModelProto, anchors: list[_FileAnchor], match
 
 
 def _output_rows(file_model: onnx.ModelProto, got: list, ref: list, joined: Any, base: str | None,
-                 isolated: list | None) -> list[LayerRow]:
+                 isolated: list | None) -> list[tuple[str, LayerRow]]:
+    """Per graph output that the model also gives: its name and its row."""
     from .verify import _output_scale
 
     rows = []
@@ -574,15 +587,26 @@ def _output_rows(file_model: onnx.ModelProto, got: list, ref: list, joined: Any,
 
         limit = scale * _ONE_STEP if scale else 1e-4 * max(1.0, float(np.abs(model_values).max()))
         cause = ("float_kernel" if alone_abs > limit else "propagated" if max_abs > limit else "rounding" if n_off else None)
-        rows.append(LayerRow(order.get(id(node), len(file_model.graph.node)), "output", node.name if node is not None else output.name,
-                             node.op_type if node is not None else "output", "output", tuple(values.shape[1:]), max_abs, steps,
-                             cosine, n_off, scale, cause, (), "graph output"))
+        rows.append((output.name, LayerRow(
+            order.get(id(node), len(file_model.graph.node)), "output", node.name if node is not None else output.name,
+            node.op_type if node is not None else "output", "output", tuple(values.shape[1:]), max_abs, steps,
+            cosine, n_off, scale, cause, (), "graph output")))
     return rows
+
+
+def _as_outputs(rows: list[tuple[str, LayerRow]]) -> tuple[OutputResult, ...]:
+    """The graph outputs' rows as the comparison model's per-output results."""
+    return tuple(
+        OutputResult(name, r.shape, r.max_abs_error, float("nan"), r.cosine, float("nan"),
+                     passed=r.cause not in _DEFECTS, criterion="no defect (qparams, float_kernel, structure)",
+                     output_scale=r.scale, max_error_in_steps=r.error_in_steps)
+        for name, r in rows
+    )
 
 
 def _first_divergence(rows: list[LayerRow]) -> LayerRow | None:
     for row in rows:
-        if row.cause in ("qparams", "structure", "float_kernel"):
+        if row.cause in _DEFECTS:
             return row
     return None
 
@@ -618,4 +642,6 @@ def _compare_optimized(file_model: onnx.ModelProto, batches: list[tuple], base: 
         rows.append(LayerRow(a.index, "layer", node.name if node is not None else name, node.op_type if node is not None else "?",
                              None, tuple(q_plain.shape[1:]), steps * a.scale, steps, cosine, n_off, a.scale, cause, (),
                              "fused by ONNX Runtime" if node is not None and node.op_type != "QuantizeLinear" else ""))
-    return LayerReport(tuple(rows), _first_divergence(rows), sum(int(b[0].shape[0]) for b in batches), True)
+    return LayerReport(outputs=(), rows=tuple(rows), first_divergence=_first_divergence(rows), n_samples=sum(int(b[0].shape[0]) for b in batches),
+                       optimized=True, strategy="compare_layers: ONNX Runtime optimised against unoptimised",
+                       runners=("onnxruntime (default level)", "onnxruntime (unoptimised)"))

@@ -4,68 +4,19 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
 from .._graph import constants, producers, tensor_value
+from ..compare import Measure, OutputResult, Report, WithinFloor, compare_runs
 from ..errors import InvalidArgumentError, VacuousCheckWarning
 from ..rounding import check_floor_arguments, cosine, perturbed_runs
 
-
-@dataclass(frozen=True)
-class QDQOutputComparison:
-    """One output: error in units of its last quantization step, cosine, top-1 agreement."""
-
-    name: str
-    max_abs_error: float
-    output_scale: float | None
-    max_error_in_steps: float | None
-    cosine_similarity: float
-    top1_agreement: float
-    #: cosines of the model with itself run with its float ops rounding differently, one per seed
-    #: (``compare_qdq(..., rounding_floor=True)``; see :func:`onnxport.rounding_floor`), else None.
-    #: Flips at rounding boundaries are rare events: on a model that does not amplify them, one
-    #: flip more or less moves the cosine in the fourth decimal, so judge the file by the range
-    #: (near it: rounding; far below it: the file computes something else), not by its minimum.
-    rounding_floor: tuple[float, ...] | None = None
-
-    @property
-    def within_floor(self) -> bool | None:
-        """The fidelity criterion for a random-weight model: the file is at most twice as far
-        from its model as the model's own one-ulp floor (1 - cosine <= 2 (1 - lowest floor
-        seed)), or at cosine >= 0.9999. ``None`` when no floor was measured."""
-        if self.rounding_floor is None:
-            return None
-        return self.cosine_similarity >= FAITHFUL_COSINE or 1 - self.cosine_similarity <= 2 * (1 - min(self.rounding_floor))
-
-
-#: Cosine at or above which a file agrees with its model whatever the model's own floor.
-FAITHFUL_COSINE = 0.9999
-
-
-@dataclass(frozen=True)
-class QDQComparison:
-    outputs: tuple[QDQOutputComparison, ...]
-    n_samples: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        floors = any(o.rounding_floor is not None for o in self.outputs)
-        lines = [f"{'output':<16} {'max abs':>10} {'steps':>7} {'cosine':>9} {'top-1':>7}"
-                 + ("  rounding floor (min-max)" if floors else "")]
-        for o in self.outputs:
-            steps = f"{o.max_error_in_steps:7.2f}" if o.max_error_in_steps is not None else "      -"
-            line = f"{o.name:<16} {o.max_abs_error:>10.4g} {steps} {o.cosine_similarity:>9.6f} {o.top1_agreement:>7.2%}"
-            if o.rounding_floor is not None:
-                verdict = "within 2x the floor" if o.within_floor else "BELOW 2x the floor: the file computes something else"
-                line += f"  {min(o.rounding_floor):.6f}-{max(o.rounding_floor):.6f}  {verdict}"
-            lines.append(line)
-        return "\n".join(lines)
+#: The names compare_qdq's results had before the one comparison model; the same types now.
+QDQComparison = Report
+QDQOutputComparison = OutputResult
 
 
 def _split(model: Any, sample: Any, n_batches: Any, onnx_path: Any = None) -> tuple[Any, list[tuple], tuple[str, ...] | None]:
@@ -114,21 +65,10 @@ def runs_optimized(model: Any, optimized: bool | None) -> bool:
     return spec is None or spec.target == "onnxruntime" or spec.backend == "torchao"
 
 
-def _session_options(optimized: bool) -> Any:
-    """ONNX Runtime's default level (None), or every graph optimisation off."""
-    if optimized:
-        return None
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return options
-
-
 def compare_qdq(
     model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches: int = 1, *, optimized: bool | None = None,
     rounding_floor: bool = False, floor_seeds: int = 3,
-) -> QDQComparison:
+) -> Report:
     """Compare every output of the ONNX file with the PyTorch model on ``sample``.
 
     Args:
@@ -155,42 +95,31 @@ def compare_qdq(
     DequantizeLinear before the output (how many quantization steps apart), cosine similarity,
     and top-1 agreement along the last axis.
     """
-    import torch
-
-    from .._inputs import flatten_outputs
+    from .._io import read_onnx
     from .._torch import eval_mode, require_module
-    from ..runtime import ONNXModel, run_inputs
+    from ..compare.runners import onnx_batches, torch_batches
+    from ..runtime import ONNXModel, session_options_for
 
     require_module(model)
     if not isinstance(rounding_floor, bool):
         raise InvalidArgumentError(f"rounding_floor must be True or False, not {rounding_floor!r}.")
     if rounding_floor:
         check_floor_arguments(floor_seeds, 1.0)
-    from .._io import read_onnx
-
     header = read_onnx(onnx_path, "onnx_path")  # read once: the file's batch here, its output scales below
     call, batches, names = _split(model, sample, n_batches, header)
-    runner = ONNXModel(onnx_path, session_options=_session_options(runs_optimized(model, optimized)))
-    refs: list[list[np.ndarray]] = []
-    gots: list[list[np.ndarray]] = []
-    with eval_mode(model), torch.no_grad():
-        for batch in batches:
-            refs.append([t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))])
-            gots.append(run_inputs(runner, batch, names))
+    optimized = runs_optimized(model, optimized)
+    runner = ONNXModel(onnx_path, session_options=session_options_for(optimized))
+    with eval_mode(model):
+        reference = torch_batches(call, batches)
         perturbed = perturbed_runs(call, batches, floor_seeds, 1.0) if rounding_floor else None
-    base = os.path.dirname(os.fspath(onnx_path))
-    results = []
-    for index, name in enumerate(runner.output_names):
-        ref = np.concatenate([r[index] for r in refs]).astype(np.float64)
-        got = np.concatenate([g[index] for g in gots]).astype(np.float64)
+    got = onnx_batches(runner, batches, names, "default level" if optimized else "unoptimised")
+    for name, ref in zip(got.names, reference.arrays):
         _warn_if_input_independent(name, ref)
-        max_abs = float(np.max(np.abs(ref - got))) if ref.size else 0.0
-        scale = _output_scale(header, name, base)
-        top1 = float(np.mean(ref.argmax(-1) == got.argmax(-1))) if ref.ndim >= 1 and ref.shape[-1] > 0 else 1.0
-        floor = tuple(cosine(ref, run[index]) for run in perturbed) if perturbed is not None else None
-        results.append(QDQOutputComparison(name, max_abs, scale, max_abs / scale if scale else None,
-                                           cosine(ref, got), top1, floor))
-    return QDQComparison(tuple(results), sum(int(b[0].shape[0]) for b in batches))
+    base = os.path.dirname(os.fspath(onnx_path))
+    scales = {name: _output_scale(header, name, base) for name in got.names}
+    floors = ({name: tuple(cosine(ref, run[i]) for run in perturbed) for i, (name, ref) in enumerate(zip(got.names, reference.arrays))}
+              if perturbed is not None else None)
+    return compare_runs(got, reference, WithinFloor() if rounding_floor else Measure(), scales=scales, floors=floors)
 
 
 #: below this spread across the samples (relative to the output's size), an output is taken as
@@ -226,25 +155,19 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
     as for :func:`compare_qdq`. Warns (:class:`VacuousCheckWarning`) when the PyTorch model
     predicts one class for every input, since agreement then proves nothing.
     """
-    import torch
-
-    from .._inputs import flatten_outputs
     from .._torch import eval_mode, require_module
-    from ..runtime import ONNXModel, run_inputs
+    from ..compare.runners import onnx_batches, torch_batches
+    from ..runtime import ONNXModel, session_options_for
 
     require_module(model)
     call, batches, names = _split(model, sample, n_batches, onnx_path)
-    runner = ONNXModel(onnx_path, session_options=_session_options(runs_optimized(model, optimized)))
-    agreed = total = 0
-    classes: set[int] = set()
-    with eval_mode(model), torch.no_grad():
-        for batch in batches:
-            ref = flatten_outputs(call(*batch))[0].detach().cpu().numpy().argmax(-1)
-            got = run_inputs(runner, batch, names)[0].argmax(-1)
-            agreed += int(np.sum(ref == got))
-            total += int(ref.size)
-            classes.update(np.unique(ref).tolist())
-    if len(classes) <= 1:
+    optimized = runs_optimized(model, optimized)
+    runner = ONNXModel(onnx_path, session_options=session_options_for(optimized))
+    with eval_mode(model):
+        reference = torch_batches(call, batches)
+    got = onnx_batches(runner, batches, names, "default level" if optimized else "unoptimised")
+    first = reference.arrays[0]
+    if len(np.unique(first.argmax(-1))) <= 1:
         warnings.warn(
             "The PyTorch model predicts a single class for every input, so this agreement is 1.0 whatever "
             "the ONNX graph computes: the check is vacuous here. Use a trained model and inputs whose "
@@ -252,4 +175,4 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
             VacuousCheckWarning,
             stacklevel=2,
         )
-    return agreed / total
+    return compare_runs(got, reference).outputs[0].top1_agreement
