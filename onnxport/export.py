@@ -8,21 +8,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from ._axes import resolve_axes
 from ._cpu import WEIGHT_RANGE_KEY, WEIGHT_RANGES
-from ._io import check_output_path, external_data_files, staged_output
+from ._io import check_output_path, staged_output
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
 from .passes.gelu_order import GeluOrderPass
 from .passes.lower_opset import LowerOpsetPass
 from .passes.optimize import OnnxSlimPass
+from .passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
 from .passes.pool_window import PoolWindowPass
 from .passes.rsqrt_div import RsqrtToDivPass
-from .passes.strip_unused_opsets import strip_unused_opsets
-from .pipeline import IdenticalOutputs, LastBit, Pipeline, Step, Structural
+from .pipeline import IdenticalOutputs, LastBit, OnFile, Pipeline, Step, Structural
 
 QUANTIZE_MODES = ("dynamic", "static")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
@@ -42,65 +41,6 @@ def _validate_opset(opset_version: Any) -> int:
             f"exporter writes opset 18 or later, and onnxport lowers it exactly down to {MIN_OPSET} at most."
         )
     return opset_version
-
-
-def _quantize(
-    float_path: Path,
-    out_path: Path,
-    *,
-    mode: str,
-    batches: list | None,
-    input_names: list[str],
-    calibration_method: str,
-    activation_type: str,
-    weight_type: str,
-    per_channel: bool,
-    op_types: Sequence[str] | None,
-    large: bool,
-    reduce_range: bool,
-) -> None:
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_dynamic,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    types = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
-    pre_path = float_path.with_name("preprocessed.onnx")
-    quant_pre_process(str(float_path), str(pre_path), skip_symbolic_shape=False, save_as_external_data=large)
-    if mode == "dynamic":
-        quantize_dynamic(
-            str(pre_path), str(out_path), weight_type=types[weight_type], per_channel=per_channel,
-            reduce_range=reduce_range, op_types_to_quantize=list(op_types) if op_types else None,
-            use_external_data_format=large,
-        )
-        return
-
-    class _Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self._batches = iter(batches or [])
-
-        def get_next(self) -> dict[str, np.ndarray] | None:
-            batch = next(self._batches, None)
-            if batch is None:
-                return None
-            return {name: t.numpy() for name, t in zip(input_names, batch)}
-
-    method = {
-        "minmax": CalibrationMethod.MinMax,
-        "entropy": CalibrationMethod.Entropy,
-        "percentile": CalibrationMethod.Percentile,
-    }[calibration_method]
-    quantize_static(
-        str(pre_path), str(out_path), _Reader(), quant_format=QuantFormat.QDQ, per_channel=per_channel,
-        activation_type=types[activation_type], weight_type=types[weight_type],
-        calibrate_method=method, op_types_to_quantize=list(op_types) if op_types else None,
-        use_external_data_format=large, reduce_range=reduce_range,
-    )
 
 
 def export_onnx(
@@ -224,27 +164,21 @@ def export_onnx(
         bar.update()
         graph = pipeline.apply(graph, float_steps(opset_version, optimize))
         bar.update()
-        float_path = staged if not quantize else staged.with_name("float.onnx")
-        pipeline.write(graph, float_path)
-        del graph
-        large = bool(external_data_files(float_path))
-        bar.update()
-        pipeline.prove_file(float_path, opset=opset_version)
-        bar.update()
+        rules = []
         if quantize:
-            _quantize(
-                float_path, staged, mode=quantize_mode, batches=batches, input_names=in_names,
-                calibration_method=calibration_method, activation_type=activation_type,
-                weight_type=weight_type, per_channel=per_channel, op_types=op_types_to_quantize,
-                large=large, reduce_range=weight_range == "portable",
+            options = OrtQuantizeOptions(
+                quantize_mode, [dict(zip(in_names, (t.numpy() for t in batch))) for batch in batches or []],
+                calibration_method, activation_type, weight_type, per_channel, op_types_to_quantize,
+                reduce_range=weight_range == "portable",
             )
-            header = onnx.load_model(str(staged), load_external_data=False)
-            stripped = strip_unused_opsets(header)
-            stripped.metadata_props.add(key=WEIGHT_RANGE_KEY, value=weight_range)
-            onnx.save_model(stripped, str(staged))  # external weights stay where they are
-            _warn_about_quantized(header, quantize_mode)
-            pipeline.prove_file(staged, opset=opset_version)
+            graph = pipeline.apply(graph, ort_quantize_steps(staged.parent, options, weight_range))
+            rules.append(lambda path: _warn_about_quantized(onnx.load_model(str(path), load_external_data=False), quantize_mode))
             bar.update()
+        pipeline.write(graph, staged)
+        del graph
+        bar.update()
+        pipeline.prove_file(staged, opset=opset_version, rules=rules)
+        bar.update()
     return target
 
 
@@ -264,6 +198,16 @@ def float_steps(opset_version: int, optimize: bool) -> list[Step]:
         steps.append(Step("optimise with onnxslim", OnnxSlimPass(), LastBit))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
     return steps
+
+
+def ort_quantize_steps(scratch: Path, options: OrtQuantizeOptions, weight_range: str) -> list[Step]:
+    """ONNX Runtime's quantizer on the float graph, and the record the quantized file carries."""
+    return [
+        # ORT chooses the scales: the file's own runs and the rule that it quantized something prove it
+        Step(f"quantize with ONNX Runtime ({options.mode})", OrtQuantizePass(scratch, options), OnFile),
+        Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural),
+        Step("record the weight range", SetMetadataPass({WEIGHT_RANGE_KEY: weight_range}), Structural),
+    ]
 
 
 _QUANTIZED_OPS = {

@@ -6,7 +6,8 @@ produced, one of three :class:`Proof` kinds: :class:`IdenticalOutputs` (ONNX Run
 unoptimised, byte for byte against the reference outputs, computed once, when first needed),
 :class:`Structural` (a rewrite that changes no value: the checker) and :class:`LastBit` (a
 rewrite that may move a last bit: the checker, and no identical-outputs step after it, since its
-reference is the graph as produced — the Pipeline refuses a list in the wrong order). A step that changes nothing is not proven again, and a refusal names its
+reference is the graph as produced — the Pipeline refuses a list in the wrong order) and
+:class:`OnFile` (a rewrite that changes values on purpose, proven by the written file's rules). A step that changes nothing is not proven again, and a refusal names its
 step. Every step that changed the graph is also held to ``onnx.checker`` with full shape
 inference, run once on the written file: :meth:`Pipeline.prove_file` checks the file as the user
 will read it — that checker, the declared opset, the record's rules, and runs at ONNX Runtime's
@@ -25,8 +26,9 @@ import onnx_ir as ir
 
 from . import _checks
 from ._axes import Axes, describe, file_axes_problems, second_size
-from ._io import write_model
+from ._io import save_ir
 from .errors import ExportRefusedError
+
 
 class Proof:
     """How a step's result is proven; the Pipeline enforces the order the kinds may come in."""
@@ -58,6 +60,15 @@ class LastBit(Proof):
     the file, and no step proven by identical outputs may follow."""
 
     label, moves_last_bit = "checker (a last bit may move)", True
+
+
+class OnFile(Proof):
+    """The rewrite changes values on purpose (weights become stored integers, ONNX Runtime's
+    quantizer quantizes): its proof is the written file's, by the rules the exporter gives
+    :meth:`Pipeline.prove_file` (the integers equal the model's, agreement with the model), which
+    the Pipeline then refuses to go without. No identical-outputs step may follow."""
+
+    label, moves_last_bit = "the written file's rules", True
 
 
 @dataclass(frozen=True)
@@ -107,14 +118,15 @@ class Pipeline:
     _produced: onnx.ModelProto | None = field(default=None, repr=False)
     _applied: list[Step] = field(default_factory=list, repr=False)
 
-    def _sizes(self) -> list[Mapping[str, np.ndarray]]:
+    def sizes(self) -> list[Mapping[str, np.ndarray]]:
+        """The feeds every run uses: the sample, and one longer on every symbolic axis."""
         return [self.feeds, second_size(self.feeds, self.axes)] if self.axes else [self.feeds]
 
     def _run(self, model: onnx.ModelProto | Path, *, optimized: bool) -> list[np.ndarray]:
         """Every output at every size, in one session."""
         self.sessions += 1
         source = _checks.source(model, self.scratch, "run.onnx")
-        return [out for outs in _checks.run_batches(source, self._sizes(), optimized=optimized) for out in outs]
+        return [out for outs in _checks.run_batches(source, self.sizes(), optimized=optimized) for out in outs]
 
     def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = ()) -> None:
         """Check the graph as the exporter produced it and keep it as the reference.
@@ -162,9 +174,11 @@ class Pipeline:
         return model
 
     def write(self, model: ir.Model, path: Path, *, external_data: bool | None = None) -> Path:
-        """Write the final graph once (inside :func:`onnxport._io.staged_output`)."""
+        """Write the final graph once (inside :func:`onnxport._io.staged_output`), streamed by
+        ``ir.save``: weights go to ``<name>.data`` when they would not fit one protobuf (or when
+        ``external_data`` says so), and lazily loaded tensors are copied from their files."""
         self._produced = None  # the steps are over: the reference graph is not needed any more
-        return write_model(ir.to_proto(model), path, external_data=external_data)
+        return save_ir(model, path, external_data=external_data)
 
     def prove_file(
         self,
@@ -172,10 +186,20 @@ class Pipeline:
         *,
         opset: int,
         rules: Iterable[Callable[[Path], None]] = (),
+        on_default_run: Callable[[list[list[np.ndarray]], Path], None] | None = None,
     ) -> None:
         """The written file's promises: the full checker (the proof of every step that changed the
         graph; a failure names them), declared opset, its symbolic axes, ``rules``, and runs at
-        the default level — at two sizes of every symbolic axis, in one session."""
+        the default level — at two sizes of every symbolic axis, in one session.
+
+        ``on_default_run(outputs, optimised)`` is then given those runs' outputs (one list per
+        size) and the graph ONNX Runtime optimised them with, saved in the scratch folder, for
+        the exporter's own checks of what the runtime made of the file.
+        """
+        rules = list(rules)
+        on_file = [s.name for s in self._applied if s.proof is OnFile and s.name in self.changed]
+        if on_file and not rules:
+            raise AssertionError(f"The steps {on_file} are proven by the written file's rules, but none were given.")
         try:
             onnx.checker.check_model(str(path), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
@@ -196,4 +220,9 @@ class Pipeline:
         for rule in rules:
             rule(path)
         self.sessions += 1
-        _checks.run_batches(str(path), self._sizes(), optimized=True)
+        if on_default_run is None:
+            _checks.run_batches(str(path), self.sizes(), optimized=True)
+            return
+        optimised = self.scratch / "ort-optimised.onnx"
+        outputs = _checks.run_batches(str(path), self.sizes(), optimized=True, save_optimised=optimised)
+        on_default_run(outputs, optimised)

@@ -18,7 +18,8 @@ from onnxport.passes.lower_opset import LowerOpsetPass
 from onnxport.passes.rsqrt_div import RsqrtToDivPass
 from onnxport.passes.strip_unused_opsets import strip_unused_opsets
 from onnxport.passes.uint8_activations import ActivationsToUint8Pass
-from onnxport.pipeline import LastBit, Pipeline, Step, Structural
+from onnxport.passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
+from onnxport.pipeline import LastBit, OnFile, Pipeline, Step, Structural
 
 RNG = np.random.default_rng(0)
 FLOAT = TensorProto.FLOAT
@@ -514,3 +515,58 @@ def test_pipeline_refuses_an_identical_outputs_step_after_a_last_bit_one(tmp_pat
                                   Step("lower to opset 17", LowerOpsetPass(17)), Step("rsqrt", RsqrtToDivPass(), LastBit)])
     with pytest.raises(AssertionError, match="follows 'rsqrt'"):
         later.apply(model, [Step("lower again", LowerOpsetPass(17))])
+
+
+def test_a_step_proven_on_the_file_needs_the_files_rules_and_ends_byte_for_byte_proofs(tmp_path):
+    """``OnFile``: a rewrite that changes values on purpose. Nothing byte-for-byte may follow it,
+    and the written file must be held to the exporter's rules (the Pipeline refuses without)."""
+    pipeline = Pipeline(FEEDS, scratch=tmp_path)
+    model = _matmul_model()
+    pipeline.start(model)
+    model = pipeline.apply(model, [Step("nudge on purpose", _NudgeWeight(), OnFile)])
+    assert pipeline.changed == ["nudge on purpose"] and pipeline.sessions == 0  # no byte-for-byte run
+    with pytest.raises(AssertionError, match="follows 'nudge on purpose'"):
+        pipeline.apply(model, [Step("lower to opset 17", LowerOpsetPass(17))])
+    path = pipeline.write(model, tmp_path / "m.onnx")
+    with pytest.raises(AssertionError, match=r"\['nudge on purpose'\] are proven by the written file's rules, but none"):
+        pipeline.prove_file(path, opset=18)
+    seen = []
+    pipeline.prove_file(path, opset=18, rules=[seen.append],
+                        on_default_run=lambda outputs, optimised: seen.append((len(outputs), optimised.is_file())))
+    assert seen == [path, (1, True)]
+
+
+def test_metadata_pass_is_honest_and_idempotent():
+    model = _matmul_model()
+    set_range = SetMetadataPass({"onnxport.weight_range": "portable"})
+    assert set_range(model).modified and not set_range(model).modified
+    assert ir.to_proto(model).metadata_props[0].value == "portable"
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_orts_quantizer_as_a_pass_returns_a_new_quantized_model(tmp_path, mode):
+    model = _matmul_model()
+    calibration = [{"x": RNG.standard_normal((2, 3)).astype(np.float32)} for _ in range(4)]
+    result = OrtQuantizePass(tmp_path, OrtQuantizeOptions(mode, calibration))(model)
+    ops = {n.op_type for n in result.model.graph}
+    assert result.modified and result.model is not model
+    assert ops & {"DynamicQuantizeLinear", "MatMulInteger", "QuantizeLinear"}, ops
+    assert "MatMul" in {n.op_type for n in model.graph}  # the input model is left as it was
+    got = run(ir.to_proto(result.model), FEEDS, optimized=True)[0]
+    want = run(ir.to_proto(model), FEEDS, optimized=True)[0]
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+def test_the_pipeline_writes_lazily_loaded_weights_into_the_files_own_data(tmp_path):
+    """A model loaded with ``ir.load`` keeps its weights on disk; writing it copies them into the
+    new file's own data, never leaving it pointing at the source's."""
+    source = tmp_path / "src"
+    source.mkdir()
+    onnx.save_model(ir.to_proto(_matmul_model()), str(source / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="m.onnx.data", size_threshold=0)
+    out = tmp_path / "out"
+    out.mkdir()
+    path = Pipeline(FEEDS, scratch=tmp_path).write(ir.load(source / "m.onnx"), out / "copy.onnx")
+    (source / "m.onnx.data").unlink()
+    assert sorted(p.name for p in out.iterdir()) == ["copy.onnx", "copy.onnx.data"]
+    assert run(path, FEEDS, optimized=False)[0].shape == (2,)

@@ -218,9 +218,9 @@ def test_weight_only_construction_errors():
 
 def test_external_data_path_writes_a_complete_checked_pair(tmp_path, monkeypatch):
     """The >2 GB path (weights in <name>.data), exercised on a small model by lowering the limit."""
-    from onnxport.qdq import weight_only
+    from onnxport import _io
 
-    monkeypatch.setattr(weight_only, "_EXTERNAL_DATA_BYTES", 0)
+    monkeypatch.setattr(_io, "EXTERNAL_DATA_BYTES", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).eval()
     q = Quantizer(backend="torchao", method="int4_weight_only", group_size=32).quantize(model)

@@ -27,9 +27,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from .. import _checks
-from .._axes import describe, file_axes_problems, second_size
-from .._io import PROTOBUF_LIMIT
+from .._axes import describe, second_size
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
 from ..rounding import cosine
 
@@ -37,7 +35,6 @@ from ..rounding import cosine
 WEIGHT_ONLY_OPSET = 21
 #: Agreement the file must reach with the torchao model at ONNX Runtime's unoptimised level.
 MIN_COSINE = 0.9999
-_EXTERNAL_DATA_BYTES = PROTOBUF_LIMIT - 64 * 1024 * 1024  # room for the graph itself, as _io allows
 _ONNX_TYPES = {4: ir.DataType.INT4, 8: ir.DataType.INT8}
 
 
@@ -320,23 +317,24 @@ def check_weights_faithful(path: str | Path, weights: list[QuantizedWeight]) -> 
 
 
 def check_agreement(got: list[np.ndarray], expected: list[np.ndarray], names: list[str], what: str) -> list[float]:
-    """Cosine of each float output with the torchao model's; below :data:`MIN_COSINE` refuses."""
-    cosines = []
-    for name, a, b in zip(names, got, expected):
-        if a.shape != b.shape:
-            raise ExportRefusedError(f"{what}: output '{name}' has shape {a.shape}, the model's {b.shape}; nothing was kept.")
-        if not np.issubdtype(b.dtype, np.floating):
-            if not np.array_equal(a, b):
-                raise ExportRefusedError(f"{what}: integer output '{name}' differs from the model's; nothing was kept.")
+    """Cosine of each float output with the torchao model's (:class:`CosineAtLeast` :data:`MIN_COSINE`;
+    integer outputs equal); a failure refuses. Returns the float outputs' cosines."""
+    from ..compare import CosineAtLeast, RunResults, compare_runs
+
+    report = compare_runs(RunResults("the file", dict(zip(names, got)), 0),
+                          RunResults("the torchao model", dict(zip(names, expected)), 0), CosineAtLeast(MIN_COSINE))
+    for result, reference in zip(report.outputs, expected):
+        if result.passed:
             continue
-        agreement = cosine(a, b)
-        if not agreement >= MIN_COSINE:
-            raise ExportRefusedError(
-                f"{what}: output '{name}' agrees with the torchao model to cosine {agreement:.6f}, below "
-                f"{MIN_COSINE}; nothing was kept."
-            )
-        cosines.append(agreement)
-    return cosines
+        if result.note:  # shapes differ
+            raise ExportRefusedError(f"{what}: output '{result.name}' has {result.note}; nothing was kept.")
+        if not np.issubdtype(reference.dtype, np.floating):
+            raise ExportRefusedError(f"{what}: integer output '{result.name}' differs from the model's; nothing was kept.")
+        raise ExportRefusedError(
+            f"{what}: output '{result.name}' agrees with the torchao model to cosine {result.cosine_similarity:.6f}, "
+            f"below {MIN_COSINE}; nothing was kept."
+        )
+    return [r.cosine_similarity for r, e in zip(report.outputs, expected) if np.issubdtype(e.dtype, np.floating)]
 
 
 def _slim_around_weights(model: ir.Model, weights: list[QuantizedWeight]) -> ir.Model:
@@ -397,6 +395,52 @@ def fusable(w: QuantizedWeight) -> bool:
     return w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0)
 
 
+class InsertDequantizersPass(ir.passes.InPlacePass):
+    """Each stand-in weight becomes ``DequantizeLinear`` of torchao's integers, scales and zero-points."""
+
+    def __init__(self, weights: list[QuantizedWeight]) -> None:
+        super().__init__()
+        self.weights = weights
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        placed = [w for w in self.weights if w.placeholder in model.graph.initializers]
+        insert_dequantizers(model, placed)
+        return ir.passes.PassResult(model, modified=bool(placed))
+
+
+class SlimAroundWeightsPass(ir.passes.PassBase):
+    """onnxslim's clean-up with the quantized weights lifted out of its reach (see
+    :func:`_slim_around_weights`). A new model; the input is left with its weights lifted out
+    (copying it first would cost the weights' size in memory), so it is not to be used again."""
+
+    @property
+    def in_place(self) -> bool:
+        return False
+
+    @property
+    def changes_input(self) -> bool:
+        return True
+
+    def __init__(self, weights: list[QuantizedWeight]) -> None:
+        super().__init__()
+        self.weights = weights
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(_slim_around_weights(model, self.weights), modified=True)
+
+
+def weight_only_steps(weights: list[QuantizedWeight]) -> list[Any]:
+    """The graph steps of the weight-only export, each with its proof."""
+    from ..pipeline import LastBit, OnFile, Step
+
+    return [
+        # the integers replace float stand-ins: proven on the file (integers equal torchao's, and
+        # agreement with the torchao model at two sizes), not against the graph as produced
+        Step("store the weights as torchao's integers", InsertDequantizersPass(weights), OnFile),
+        Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit),
+    ]
+
+
 def export_weight_only(
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -409,18 +453,24 @@ def export_weight_only(
     axes: dict,
     bar: Any,
 ) -> None:
-    """Export, rewrite, write and check a weight-only model into ``staged``."""
-    import onnxruntime as ort
-
+    """Export a weight-only model into ``staged`` through the Pipeline: its steps, one write, and
+    the file proven by the rules below (the integers, the agreement, what ORT fuses)."""
     from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
     from .._inputs import flatten_outputs
     from .._torch import eval_mode
+    from ..pipeline import Pipeline
     from ..runtime import make_session
 
     with eval_mode(model), torch.no_grad():
         reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*inputs))]
     out_names = check_names(out_names, len(reference), "output_names", "output")
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
+    pipeline = Pipeline(feeds, scratch=staged.parent, axes=axes)
+    references = [reference]
+    if axes:  # the promise of every symbolic axis: the file agrees at a second size too
+        grown = second_size(feeds, axes)
+        with eval_mode(model), torch.no_grad():
+            references.append([t.detach().cpu().numpy() for t in flatten_outputs(model(*(torch.from_numpy(v) for v in grown.values())))])
     stand_ins = _export_copy(model, weights)
     bar.update()
     with eval_mode(stand_ins):
@@ -430,62 +480,53 @@ def export_weight_only(
         )
     del stand_ins
     onnx_model = program.model
-    insert_dequantizers(onnx_model, weights)
-    bar.update()
-    onnx_model = _slim_around_weights(onnx_model, weights)
     del program
-    size = sum(v.const_value.nbytes for v in onnx_model.graph.initializers.values() if v.const_value is not None)
-    ir.save(onnx_model, staged, external_data=staged.name + ".data" if size > _EXTERNAL_DATA_BYTES else None)
+    onnx_model = pipeline.apply(onnx_model, weight_only_steps(weights))
+    bar.update()
+    pipeline.write(onnx_model, staged)
     del onnx_model
     _return_freed_memory()
-    onnx.checker.check_model(str(staged))
-    _checks.check_declared_opset(onnx.load_model(str(staged), load_external_data=False), opset_version)
-    check_weights_faithful(staged, weights)
-    plain_session = make_session(staged, optimized=False)
-    plain = plain_session.run(None, feeds)
-    check_agreement(plain, reference, out_names, "At ONNX Runtime's unoptimised level")
-    if axes:  # the promise of every symbolic axis: the file agrees at a second size too
-        grown = second_size(feeds, axes)
-        with eval_mode(model), torch.no_grad():
-            grown_reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*(torch.from_numpy(v) for v in grown.values())))]
-        check_agreement(plain_session.run(None, grown), grown_reference, out_names,
-                        f"At ONNX Runtime's unoptimised level, one longer on every symbolic axis ({describe(axes)})")
-    del plain, plain_session
-    _return_freed_memory()
+
+    def integers(path: Path) -> None:
+        check_weights_faithful(path, weights)
+
+    def agreement(path: Path) -> None:
+        session = make_session(path, optimized=False)
+        sizes = ["", f", one longer on every symbolic axis ({describe(axes)})"]
+        for feed, expected, size in zip(pipeline.sizes(), references, sizes):
+            check_agreement(session.run(None, dict(feed)), expected, out_names, f"At ONNX Runtime's unoptimised level{size}")
+        del session
+        _return_freed_memory()
+        bar.update()
+
+    def as_deployed(outputs: list[list[np.ndarray]], optimised: Path) -> None:
+        default_cosines = [cosine(a, b) for a, b in zip(outputs[0], reference) if np.issubdtype(b.dtype, np.floating)]
+        if min(default_cosines, default=1.0) < MIN_COSINE:
+            # Not the file's doing: the fused MatMulNBits quantizes its activations to int8 at ORT's
+            # default accuracy level 4; levels 0-2 compute in float and agree as the unoptimised run.
+            warnings.warn(
+                f"At ONNX Runtime's default level the file agrees with the torchao model to cosine "
+                f"{min(default_cosines):.6f}: ORT's MatMulNBits computes with int8 activations there. Set the "
+                f"session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations.",
+                RuntimePrecisionWarning,
+                stacklevel=6,
+            )
+        _warn_unfused(onnx.load_model(str(optimised), load_external_data=False), weights)
+
+    pipeline.prove_file(staged, opset=opset_version, rules=[integers, agreement], on_default_run=as_deployed)
     bar.update()
-    optimised = staged.parent / "ort-optimised.onnx"
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(optimised)
-    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", optimised.name + ".data")
-    options.log_severity_level = 3  # saving an optimised graph warns that it is machine-specific
-    session = make_session(staged, optimized=True, session_options=options)
-    default = session.run(None, feeds)
-    default_cosines = [cosine(a, b) for a, b in zip(default, reference) if np.issubdtype(b.dtype, np.floating)]
-    if min(default_cosines, default=1.0) < MIN_COSINE:
-        # Not the file's doing: the fused MatMulNBits quantizes its activations to int8 at ORT's
-        # default accuracy level 4; levels 0-2 compute in float and agree as the unoptimised run.
-        warnings.warn(
-            f"At ONNX Runtime's default level the file agrees with the torchao model to cosine "
-            f"{min(default_cosines):.6f}: ORT's MatMulNBits computes with int8 activations there. Set the "
-            f"session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations.",
-            RuntimePrecisionWarning,
-            stacklevel=4,
-        )
-    if axes:
-        fixed = file_axes_problems(onnx.load_model(str(staged), load_external_data=False), axes)
-        if fixed:
-            raise ExportRefusedError(f"The symbolic axes {describe(axes)} were asked for, but in the file {', '.join(fixed)}.")
-        session.run(None, second_size(feeds, axes))
-    del session
-    ops = [n.op_type for n in onnx.load_model(str(optimised), load_external_data=False).graph.node]
-    fused = ops.count("MatMulNBits")
+
+
+def _warn_unfused(optimised: onnx.ModelProto, weights: list[QuantizedWeight]) -> None:
+    """Say when ONNX Runtime left weights it could run as MatMulNBits dequantized, and why."""
+    fused = [n.op_type for n in optimised.graph.node].count("MatMulNBits")
     expected = sum(fusable(w) for w in weights)
     if fused < expected:
         warnings.warn(
             f"ONNX Runtime fused {fused} of the {expected} quantized MatMuls it can run as MatMulNBits; "
             f"the rest dequantize their weight on every run.",
             PerformanceWarning,
-            stacklevel=4,
+            stacklevel=7,
         )
     unfusable = [w for w in weights if w.kind == "linear" and not fusable(w)]
     if unfusable:
@@ -494,6 +535,5 @@ def export_weight_only(
             f"{unfusable[0].group} elements; ONNX Runtime fuses blocks of a "
             f"power of two from 16 up into MatMulNBits, so these dequantize their weight on every run.",
             PerformanceWarning,
-            stacklevel=4,
+            stacklevel=7,
         )
-    bar.update()
