@@ -570,3 +570,57 @@ def test_the_pipeline_writes_lazily_loaded_weights_into_the_files_own_data(tmp_p
     (source / "m.onnx.data").unlink()
     assert sorted(p.name for p in out.iterdir()) == ["copy.onnx", "copy.onnx.data"]
     assert run(path, FEEDS, optimized=False)[0].shape == (2,)
+
+
+def _linear_model(*, quantized_output: bool, in_body: bool = False) -> onnx.ModelProto:
+    """``DQ(x) → MatMul ← DQ(w)`` then ``Add(bias[8])`` on a static [1, 6, 16] input; its output
+    either quantized (a QuantizeLinear reads it) or float (a Relu does)."""
+    def body(prefix: str) -> list[onnx.NodeProto]:
+        tail = (["QuantizeLinear", ["y", "s", "zp"], [f"{prefix}q"]], ["DequantizeLinear", [f"{prefix}q", "s", "zp"], ["same"]]) \
+            if quantized_output else (["Relu", ["y"], ["same"]],)
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["xq"]),
+                helper.make_node("DequantizeLinear", ["xq", "s", "zp"], ["xd"]),
+                helper.make_node("DequantizeLinear", ["wq", "ws"], ["wd"]),
+                helper.make_node("MatMul", ["xd", "wd"], ["m"]),
+                helper.make_node("Add", ["m", "bias"], ["y"]),
+                *(helper.make_node(op, i, o) for op, i, o in tail)]
+    inits = [_c("s", np.float32(0.05)), _c("zp", np.uint8(128)), _c("ws", np.float32(0.02)),
+             _c("wq", RNG.integers(-64, 65, (16, 8)).astype(np.int8)), _c("bias", RNG.standard_normal(8).astype(np.float32))]
+    if in_body:
+        model = _if_model(lambda prefix: body(prefix), inits, [1, 6, 16], [1, 6, 8])
+    else:
+        graph = helper.make_graph(body(""), "g", [helper.make_tensor_value_info("x", FLOAT, [1, 6, 16])],
+                                  [helper.make_tensor_value_info("same", FLOAT, [1, 6, 8])], inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(model)  # as the exporter's graphs: every value has its shape
+
+
+def _ort_ops(model: onnx.ModelProto, tmp_path) -> set[str]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return {n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node}
+
+
+def test_a_float_output_linears_bias_takes_the_input_rank_so_ort_keeps_it_int8(tmp_path):
+    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
+
+    plain = _linear_model(quantized_output=False)
+    # the cause, as ORT does it: with static shapes MatMul+Add becomes a float Gemm between DQs
+    assert "Gemm" in _ort_ops(plain, tmp_path) and "MatMulIntegerToFloat" not in _ort_ops(plain, tmp_path)
+    fixed, first, second = _apply(LinearBiasRankPass(), plain)
+    assert first and not second
+    assert [list(t.dims) for t in fixed.graph.initializer if t.name.startswith("bias")] == [[1, 1, 8]]
+    ops = _ort_ops(fixed, tmp_path)
+    assert "MatMulIntegerToFloat" in ops and "Gemm" not in ops, ops
+    feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32)}
+    assert run(fixed, feeds, optimized=False)[0].tobytes() == run(plain, feeds, optimized=False)[0].tobytes()
+    # a quantized output is left alone: ORT makes that Gemm a QGemm, its INT8 form
+    assert not _apply(LinearBiasRankPass(), _linear_model(quantized_output=True))[1]
+    # and bodies are reached
+    original = _linear_model(quantized_output=False, in_body=True)
+    body, first, _ = _apply(LinearBiasRankPass(), original)
+    assert first and sorted(n.input[1] for n in _body_nodes(body) if n.op_type == "Add") == ["bias.rank3", "bias.rank3_1"]
+    _same_bytes(body, original, [1, 6, 16])

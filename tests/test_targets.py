@@ -460,3 +460,22 @@ def test_a_quantized_constant_that_is_no_weight_follows_neither_rule(target, act
     assert check_target(model, target) == []
     # the same integers stored as a weight the conv reads would break the weight rule
     assert any("wants int8 weights" in p for p in check_target(_conv_graph(act_zp, act_dtype, weight_dtype=np.uint8), target))
+
+
+def test_a_static_text_file_keeps_every_linear_int8_in_ort(tmp_path):
+    """With fixed shapes ORT fuses MatMul+Add into a float Gemm before its QDQ fusions; the
+    'onnxruntime' preset writes the float-output linears (into a residual Add, into GELU) so that
+    every linear stays INT8, at identical outputs."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, num_labels=3)).eval()
+    ids = torch.randint(3, 300, (8, 32))
+    quantized = Quantizer(backend="pt2e", target="onnxruntime").quantize(model, [ids[i : i + 1] for i in range(4)])
+    path = export_qdq(quantized, ids[:1], tmp_path / "bert.onnx")  # the default: every shape fixed
+    ops = ort_optimised_ops(path)
+    assert ops["Gemm"] == ops["MatMul"] == ops["FusedMatMul"] == 0, ops
+    assert ops["MatMulIntegerToFloat"] + ops["QGemm"] >= 2 * 6 + 2, ops  # 6 linears a layer, pooler, classifier
+    assert all(o.within_floor for o in compare_qdq(quantized, path, ids, rounding_floor=True).outputs)

@@ -18,6 +18,7 @@ from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.gelu_order import GeluOrderPass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
+from ..passes.linear_bias_rank import LinearBiasRankPass
 from ..passes.lower_opset import LowerOpsetPass
 from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
@@ -188,7 +189,7 @@ def export_qdq(
             ).model
         pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
-        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, defaults.contrib_gelu))
+        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, defaults.contrib_gelu, defaults.bias_at_input_rank))
         if spec is not None:  # the record check_target reads: which weight rule the file follows
             graph.metadata_props[WEIGHT_RANGE_KEY] = spec.weight_range
         bar.update()
@@ -200,15 +201,18 @@ def export_qdq(
     return target
 
 
-def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = False) -> list[Step]:
-    """The graph steps of :func:`export_qdq`, in order, each with its proof (``contrib_gelu``: the
-    target's :attr:`~onnxport.targets.ExportDefaults.contrib_gelu`)."""
+def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = False,
+              bias_at_input_rank: bool = False) -> list[Step]:
+    """The graph steps of :func:`export_qdq`, in order, each with its proof (``contrib_gelu`` and
+    ``bias_at_input_rank``: the target's :class:`~onnxport.targets.ExportDefaults`)."""
     steps = [
         Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), IdenticalOutputs),
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), IdenticalOutputs),
         Step("fold weight transposes", FoldWeightTransposePass(), IdenticalOutputs),
         Step("fold zero pads into convs", FoldPadIntoConvPass(), IdenticalOutputs),
         Step("order GELUs for fusion", GeluOrderPass(), IdenticalOutputs),
+        *([Step("give float-output linears' biases the input's rank", LinearBiasRankPass(), IdenticalOutputs)]
+          if bias_at_input_rank else []),
         Step("add Conv kernel_shape", AddConvKernelShapePass(), Structural),
         Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural),
     ]

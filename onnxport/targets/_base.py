@@ -104,12 +104,16 @@ class ExportDefaults:
         opset_16bit: the opset of files with 16-bit activations (uint16 Q/DQ exist from 21).
         contrib_gelu: write a GELU whose input is a DequantizeLinear as ``com.microsoft.Gelu``:
             ONNX Runtime cannot fuse the standard form there.
+        bias_at_input_rank: give the bias of a quantized linear whose output stays float the
+            rank of its input, so that ONNX Runtime's MatMul+Add→Gemm fusion (static shapes)
+            leaves the linear to its INT8 kernel (:mod:`onnxport.passes.linear_bias_rank`).
     """
 
     activation_dtype: str = "int8"
     opset: int = 18
     opset_16bit: int = 21
     contrib_gelu: bool = False
+    bias_at_input_rank: bool = False
 
     def opset_for(self, activation_bits: int | None) -> int:
         return self.opset_16bit if activation_bits == 16 else self.opset

@@ -4,7 +4,9 @@ uint8 activations (a ReLU's output on [0, max], so ORT drops the ReLU and fuses 
 int8 weights on the portable range (its x86 kernels without VNNI saturate on full-range pairs),
 int32 biases its integer kernels read, INT8 attention products, sigmoid and SiLU between pairs,
 linear outputs nothing quantized reads left float (QGemm/MatMulIntegerToFloat), and GELU after a
-DequantizeLinear written as ``com.microsoft.Gelu``, the form ORT fuses there.
+DequantizeLinear written as ``com.microsoft.Gelu``, the form ORT fuses there, and the bias of a
+linear with a float output at its input's rank, so that ORT's MatMul+Add→Gemm fusion of static
+shapes does not leave it a float Gemm.
 """
 
 from ._base import I8, U8, Annotation, ExportDefaults, FileRules, Target
@@ -20,5 +22,5 @@ TARGET = Target(
         activation_types=frozenset({U8}), weight_type=I8, relu_range_from_zero=True, portable_weights=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
-    defaults=ExportDefaults(activation_dtype="uint8", contrib_gelu=True),
+    defaults=ExportDefaults(activation_dtype="uint8", contrib_gelu=True, bias_at_input_rank=True),
 )
