@@ -1,0 +1,205 @@
+"""The sweep: the ``'onnxruntime'`` preset against ONNX Runtime's own quantizer on many architectures.
+
+Every ``transformers`` family the team sweeps (text encoders, decoders, vision models), built from
+its config at a small size with seeded random weights (batch-norm statistics measured on a few
+batches, as ``tests/zoo.py`` does), 224×224 images or 64 tokens, batch 1, every shape fixed (what
+``export_qdq`` writes by default, and how a batch-1 deployment runs). Per model, side by side in
+one process:
+
+* the FP32 file (``export_onnx``), ours (``Quantizer(target='onnxruntime')`` + ``export_qdq``) and
+  ORT's ``quantize_static`` of the FP32 file (QDQ, per-channel, MinMax, the same calibration
+  batches; with and without ``reduce_range``), and ``quantize_dynamic`` for text models;
+* latency interleaved (:func:`onnxport.runtime.interleaved_ms`: fresh sessions, rotating order, a
+  speed-up is the median of the rounds' own ratios to FP32);
+* ours / ORT's best, the ops ORT runs in INT8 in our file, what ``qdq_report`` names as float in
+  it, and our file's cosine with its pt2e model as deployed against the model's one-ulp floor.
+
+    python -m bench sweep
+    ONNXPORT_BENCH_SWEEP="ModernBert,ViT" python -m bench sweep    # only these families
+    ONNXPORT_BENCH_SWEEP_ROUNDS=12 python -m bench sweep            # more rounds
+
+The table goes in ``docs/benchmarks.md``. timm families need torchvision, which cannot be installed
+beside the CPU torch build; they are not in this sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+IMAGE = (3, 224, 224)
+TOKENS = (64,)
+ROUNDS = int(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUNDS", "6"))
+
+#: one small size for every text family; each config maps these names onto its own
+_TEXT = {"vocab_size": 4000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 512, "max_position_embeddings": 256, "use_cache": False,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_VIT = {"hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 3, "intermediate_size": 768, "image_size": 224}
+
+ENCODERS = ("Bert", "Albert", "Electra", "DebertaV2", "XLMRoberta", "MPNet", "MobileBert", "ConvBert", "SqueezeBert",
+            "Funnel", "ModernBert", "DistilBert", "Roberta")
+DECODERS = ("GPT2", "OPT", "GPTNeoX", "GPTJ", "CodeGen", "Bloom", "Falcon", "Phi", "Phi3", "Mistral", "Qwen2", "Qwen3",
+            "Gemma", "Gemma2", "StableLm", "Starcoder2", "Olmo", "Granite", "Cohere", "Llama")
+#: vision families at their config's default (tiny/small variants) or, for plain ViTs, ViT-tiny's size
+VISION = {"ViT": _VIT, "DeiT": _VIT, "Beit": _VIT, "Dinov2": {**_VIT, "image_size": 224}, "ConvNext": {},
+          "ConvNextV2": {}, "MobileViT": {"image_size": 224}, "MobileViTV2": {"image_size": 224}, "Segformer": {},
+          "Levit": {}, "PoolFormer": {}, "Swin": {}, "Swinv2": {}, "ResNet": {}, "MobileNetV1": {}, "MobileNetV2": {},
+          "Bit": {}, "FocalNet": {}, "Pvt": {}, "RegNet": {}, "EfficientNet": {}}
+
+
+def _text_config(family: str):
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")()
+    for key, value in _TEXT.items():
+        if hasattr(config, key) or key in getattr(config, "attribute_map", {}):
+            setattr(config, key, value)
+    if family == "Funnel":
+        config.block_sizes, config.d_model, config.n_head, config.d_head, config.d_inner = [1, 1], 128, 4, 32, 512
+    if family == "SqueezeBert":
+        config.embedding_size = 128
+    if family == "Albert":
+        config.embedding_size = 128
+    if family == "MobileBert":
+        config.embedding_size, config.intra_bottleneck_size, config.true_hidden_size = 128, 128, 128
+    if family == "ModernBert":
+        config.global_attn_every_n_layers, config.local_attention = 2, 32
+        config.num_hidden_layers = 4  # alternating local and global layers
+    if hasattr(config, "head_dim") and family not in ("Funnel",):
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    config.num_labels = 4
+    return config
+
+
+def sweep_models() -> list:
+    """The sweep's models as zoo entries (a builder, a kind, an input shape)."""
+    import transformers
+
+    from tests.zoo import ZooModel
+
+    def encoder(family: str):
+        return lambda: transformers.AutoModelForSequenceClassification.from_config(_text_config(family))
+
+    def decoder(family: str):
+        return lambda: transformers.AutoModelForCausalLM.from_config(_text_config(family))
+
+    def vision(family: str, overrides: dict):
+        def build():
+            config = getattr(transformers, f"{family}Config")(**overrides)
+            config.num_labels = 10
+            return transformers.AutoModelForImageClassification.from_config(config)
+        return build
+
+    entries = [ZooModel(f, encoder(f), "tokens", TOKENS) for f in ENCODERS]
+    entries += [ZooModel(f, decoder(f), "tokens", TOKENS) for f in DECODERS]
+    entries += [ZooModel(f, vision(f, o), "image", IMAGE) for f, o in VISION.items()]
+    return entries
+
+
+def _one(entry, out: Path) -> dict:
+    import torch
+
+    from onnxport import Quantizer, compare_qdq, export_onnx, export_qdq
+
+    from .zoo import _fused, _latencies
+
+    model = entry.model()
+    if entry.kind == "tokens":  # the sweep's text models hold their vocabulary at _TEXT's size
+        vocab = _TEXT["vocab_size"]
+        sample_of = lambda batch, seed: torch.randint(3, vocab, (batch, *TOKENS),
+                                                      generator=torch.Generator().manual_seed(seed))
+    else:
+        sample_of = lambda batch, seed: entry.sample(batch=batch, seed=seed)
+    calibration = [sample_of(1, 10 + i) for i in range(4)]
+    sample, check = sample_of(1, 0), sample_of(4, 3)
+    result: dict = {"kind": entry.kind}
+    files = {"fp32": export_onnx(model, sample, out / "fp32.onnx", dynamic_batch=False)}
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    files["ours"] = export_qdq(quantized, sample, out / "ours.onnx")
+    first = compare_qdq(quantized, files["ours"], check, rounding_floor=True).outputs[0]
+    result["ours"] = {"cosine": first.cosine_similarity, "rounding_floor": list(first.rounding_floor),
+                      "within_floor": first.within_floor, **_fused(files["ours"])}
+    modes = ("static", "dynamic") if entry.kind == "tokens" else ("static",)
+    for mode in modes:
+        for suffix, weight_range in (("", "full"), ("_rr", "portable")):
+            name = f"ort_{mode}{suffix}"
+            try:
+                files[name] = export_onnx(model, sample, out / f"{name}.onnx", dynamic_batch=False, quantize=True,
+                                          quantize_mode=mode, calibration_data=calibration, weight_range=weight_range)
+            except Exception as error:  # noqa: BLE001 — ORT's quantizer failing is a result of the sweep
+                result[name] = {"error": f"{type(error).__name__}: {error}"[:200]}
+    with torch.no_grad():
+        rounds = _latencies(files, {1: sample.numpy()})
+    result["speedup"] = {name: statistics.median(f / t for f, t in zip(rounds["fp32"][1], ms[1]))
+                         for name, ms in rounds.items()}
+    ort = {k: v for k, v in result["speedup"].items() if k.startswith("ort_")}
+    best = max(ort, key=ort.get) if ort else None
+    result["ort_best"] = best
+    result["ours_vs_ort_best"] = result["speedup"]["ours"] / ort[best] if best else None
+    return result
+
+
+def run(out_dir: Path | None = None) -> dict:
+    import logging
+    import sys
+    import warnings
+
+    from onnxport._cpu import cpu_int8
+
+    if out_dir is None:
+        with tempfile.TemporaryDirectory(prefix="onnxport-bench-sweep-") as scratch:
+            return run(Path(scratch))
+    chosen = [n.strip() for n in os.environ.get("ONNXPORT_BENCH_SWEEP", "").split(",") if n.strip()]
+    out = Path(out_dir)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    results: dict = {"_isa": cpu_int8().describe()}
+    for entry in sweep_models():
+        if chosen and entry.name not in chosen:
+            continue
+        start = time.perf_counter()
+        folder = out / entry.name
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results[entry.name] = _one(entry, folder)
+        except Exception as error:  # noqa: BLE001 — one family failing is a row of the table, not the end
+            results[entry.name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]}
+        results[entry.name]["seconds"] = time.perf_counter() - start
+        print(f"  {entry.name}: {results[entry.name]['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return results
+
+
+def report(results: dict) -> str:
+    lines = [
+        "The sweep on ONNX Runtime (CPU), batch 1, fixed shapes: x = FP32 latency / file latency (median of the rounds' ratios);",
+        "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr').",
+        f"CPU: {results.get('_isa', 'see results.json')}",
+        "",
+        "| model | ours | ORT best (which) | ours / ORT best | cosine as deployed (floor min–max) | INT8 in ORT (ours) | float in our file |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    below = []
+    for name, e in results.items():
+        if name.startswith("_"):
+            continue
+        if "error" in e:
+            lines.append(f"| {name} | failed: {e['error'][:90]} | | | | | |")
+            continue
+        best = e["ort_best"]
+        ratio = e["ours_vs_ort_best"]
+        ours = e["speedup"]["ours"]
+        floor = e["ours"]["rounding_floor"]
+        if ratio is not None and (ratio < 0.95 or (ours < 1.0 <= e["speedup"][best])):
+            below.append(name)
+        lines.append(
+            f"| {name} | {ours:.2f}x | {e['speedup'][best]:.2f}x ({best.removeprefix('ort_')}) | {ratio:.2f} "
+            f"| {e['ours']['cosine']:.5f} ({min(floor):.5f}–{max(floor):.5f}){'' if e['ours']['within_floor'] else ' BELOW 2x floor'} "
+            f"| {', '.join(f'{op} {c}' for op, c in e['ours']['ort_int8'].items())} "
+            f"| {'; '.join(e['ours']['float_in_file'][:3])} |")
+    lines += ["", f"Below 0.95x ORT's best (or below FP32 where ORT is not): {', '.join(below) or 'none'}"]
+    return "\n".join(lines)
