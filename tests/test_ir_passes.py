@@ -10,15 +10,16 @@ import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from onnxport._checks import run
 from onnxport.errors import ExportRefusedError
+from onnxport.passes._ir import on_proto
 from onnxport.passes.conv_kernel_shape import AddConvKernelShapePass
 from onnxport.passes.lower_opset import LowerOpsetPass
-from onnxport.passes.rsqrt_div import RsqrtToDivPass
-from onnxport.passes.strip_unused_opsets import strip_unused_opsets
-from onnxport.passes.uint8_activations import ActivationsToUint8Pass
 from onnxport.passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
+from onnxport.passes.rsqrt_div import RsqrtToDivPass
+from onnxport.passes.uint8_activations import ActivationsToUint8Pass
 from onnxport.pipeline import LastBit, OnFile, Pipeline, Step, Structural
 
 RNG = np.random.default_rng(0)
@@ -149,7 +150,7 @@ def test_opsets_used_only_in_a_body_are_kept():
 
     model = _if_model(body, [], [2, 3], [2, 3], domains=[helper.make_opsetid("com.microsoft", 1),
                                                           helper.make_opsetid("ai.onnx.ml", 3)])
-    stripped = strip_unused_opsets(model)
+    stripped = on_proto(RemoveUnusedOpsetsPass(), model)
     assert sorted(e.domain for e in stripped.opset_import) == ["", "com.microsoft"]
     assert len(model.opset_import) == 3  # input untouched
 

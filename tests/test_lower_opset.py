@@ -9,7 +9,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxport._checks import check_identical_outputs, run
 from onnxport.errors import ExportRefusedError
-from onnxport.passes import lower_opset
+from onnxport.passes import LowerOpsetPass
+from onnxport.passes._ir import on_proto
+
+
+def lower_opset(model, opset):
+    """The pass on a proto, which is left as it was."""
+    return on_proto(LowerOpsetPass(opset), model)
 
 
 def _reduce_graph(op: str = "ReduceMean", axes_from_constant: bool = True, keepdims: int = 0) -> onnx.ModelProto:

@@ -10,7 +10,13 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxport import qdq_report, qdq_stats
 from onnxport._checks import run
 from onnxport.errors import ExportRefusedError, OnnxportError
-from onnxport.passes import activations_to_uint8, add_conv_kernel_shape, convs_missing_kernel_shape
+from onnxport.passes import (
+    ActivationsToUint8Pass,
+    AddConvKernelShapePass,
+    FoldWeightTransposePass,
+    convs_missing_kernel_shape,
+)
+from onnxport.passes._ir import on_proto
 
 RNG = np.random.default_rng(0)
 
@@ -54,32 +60,32 @@ FEEDS = {"x": RNG.standard_normal((2, 3, 8, 8)).astype(np.float32)}
 def test_kernel_shape_is_read_through_the_dq_chain():
     model = _qdq_conv_model()
     assert convs_missing_kernel_shape(model.graph) == ["conv"]
-    patched = add_conv_kernel_shape(model)
+    patched = on_proto(AddConvKernelShapePass(), model)
     conv = next(n for n in patched.graph.node if n.op_type == "Conv")
     assert helper.get_attribute_value(next(a for a in conv.attribute if a.name == "kernel_shape")) == [3, 3]
     assert convs_missing_kernel_shape(patched.graph) == []
     onnx.checker.check_model(patched, full_check=True)
     # stripping it back changes nothing the runtime computes
     assert [o.tobytes() for o in run(patched, FEEDS, optimized=True)] == [o.tobytes() for o in run(model, FEEDS, optimized=True)]
-    assert add_conv_kernel_shape(patched).SerializeToString() == patched.SerializeToString()  # idempotent
+    assert on_proto(AddConvKernelShapePass(), patched).SerializeToString() == patched.SerializeToString()  # idempotent
     assert convs_missing_kernel_shape(model.graph) == ["conv"]  # input untouched
 
 
 def test_existing_kernel_shape_and_conv_transpose_are_left_alone():
     model = _qdq_conv_model(with_kernel_shape=True)
-    assert add_conv_kernel_shape(model).SerializeToString() == model.SerializeToString()
+    assert on_proto(AddConvKernelShapePass(), model).SerializeToString() == model.SerializeToString()
     node = helper.make_node("ConvTranspose", ["x", "w"], ["y"])
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               [_c("w", np.ones((2, 2, 3, 3), np.float32))])
     m = helper.make_model(graph)
-    assert add_conv_kernel_shape(m).SerializeToString() == m.SerializeToString()
+    assert on_proto(AddConvKernelShapePass(), m).SerializeToString() == m.SerializeToString()
 
 
 # -- uint8 activations ------------------------------------------------------------------------------
 def test_uint8_moves_activation_pairs_only_and_is_byte_identical():
     model = _qdq_conv_model()
-    moved = activations_to_uint8(model)
+    moved = on_proto(ActivationsToUint8Pass(), model)
     inits = {t.name: numpy_helper.to_array(t) for t in moved.graph.initializer}
     for node in moved.graph.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
@@ -99,32 +105,32 @@ def test_uint8_moves_activation_pairs_only_and_is_byte_identical():
         "n_quantize": 2, "n_dequantize": 3, "n_per_channel": 1, "n_nonzero_zero_point": 4,
         "n_unquantized_conv_add": 0, "n_uint8": 4, "n_blocked": 0, "n_int4": 0,
     }
-    assert activations_to_uint8(moved).SerializeToString() == moved.SerializeToString()
+    assert on_proto(ActivationsToUint8Pass(), moved).SerializeToString() == moved.SerializeToString()
 
 
 def test_uint8_saturation_matches_int8_at_the_extremes():
     model = _qdq_conv_model()
     extreme = {"x": np.array([-100.0, -6.4, -6.375, 6.35, 6.375, 100.0] * 32, np.float32).reshape(2, 3, 8, 4).repeat(2, -1)}
-    moved = activations_to_uint8(model)
+    moved = on_proto(ActivationsToUint8Pass(), model)
     assert [o.tobytes() for o in run(moved, extreme, optimized=False)] == [o.tobytes() for o in run(model, extreme, optimized=False)]
 
 
 def test_uint8_refuses_nonzero_zero_points():
     with pytest.raises(ExportRefusedError, match="zero-point of node 'q_in' is int8 \\[3\\].*symmetric=False"):
-        activations_to_uint8(_qdq_conv_model(zp=3))
+        on_proto(ActivationsToUint8Pass(), _qdq_conv_model(zp=3))
 
 
 def test_uint8_refuses_a_quantized_value_read_without_dequantizing():
     model = _qdq_conv_model()
     model.graph.node.append(helper.make_node("Identity", ["xq"], ["leak"], name="leak_reader"))
     with pytest.raises(ExportRefusedError, match="'leak_reader' reads 'xq' without dequantizing"):
-        activations_to_uint8(model)
+        on_proto(ActivationsToUint8Pass(), model)
 
 
 def test_uint8_zero_point_names_never_collide():
     model = _qdq_conv_model()
     model.graph.initializer.append(_c("zp_in_uint8", np.float32(1.0)))  # a name the rewrite would pick
-    moved = activations_to_uint8(model)
+    moved = on_proto(ActivationsToUint8Pass(), model)
     names = [t.name for t in moved.graph.initializer]
     assert len(names) == len(set(names)) and "zp_in_uint8_1" in names
 
@@ -137,7 +143,7 @@ def test_uint8_keeps_qat_style_weight_pairs_int8():
     dq_w = next(n for n in g.node if n.name == "dq_w")
     g.node.insert(0, helper.make_node("QuantizeLinear", ["w_f", "w_s", "w_zp"], ["w_q2"], name="q_w", axis=0))
     dq_w.input[0] = "w_q2"
-    moved = activations_to_uint8(model)
+    moved = on_proto(ActivationsToUint8Pass(), model)
     inits = {t.name: t for t in moved.graph.initializer}
     q_w = next(n for n in moved.graph.node if n.name == "q_w")
     assert inits[q_w.input[2]].data_type == TensorProto.INT8
@@ -248,7 +254,6 @@ def test_report_says_why_an_add_or_mul_stays_float():
 
 # -- weight transpose folding ------------------------------------------------------------------------
 def test_weight_transpose_is_folded_into_the_constant_exactly():
-    from onnxport.passes import fold_weight_transpose
 
     w = RNG.integers(-127, 128, size=(5, 4)).astype(np.int8)  # (out, in) as nn.Linear stores it
     inits = [_c("w", w), _c("ws", np.linspace(0.01, 0.05, 5).astype(np.float32)), _c("wz", np.zeros(5, np.int8))]
@@ -260,7 +265,7 @@ def test_weight_transpose_is_folded_into_the_constant_exactly():
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    folded = fold_weight_transpose(model)
+    folded = on_proto(FoldWeightTransposePass(), model)
     ops = [n.op_type for n in folded.graph.node]
     assert ops == ["DequantizeLinear", "MatMul"]
     dq = folded.graph.node[0]
@@ -270,7 +275,7 @@ def test_weight_transpose_is_folded_into_the_constant_exactly():
     onnx.checker.check_model(folded, full_check=True)
     feeds = {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}
     assert run(folded, feeds, optimized=False)[0].tobytes() == run(model, feeds, optimized=False)[0].tobytes()
-    assert fold_weight_transpose(folded).SerializeToString() == folded.SerializeToString()
+    assert on_proto(FoldWeightTransposePass(), folded).SerializeToString() == folded.SerializeToString()
 
 
 def test_weight_transpose_folding_reaches_into_if_bodies_and_keeps_shared_weights():
@@ -278,8 +283,6 @@ def test_weight_transpose_folding_reaches_into_if_bodies_and_keeps_shared_weight
     reads it too. Every foldable Transpose is folded, the shared weight stays, the checker passes."""
     import onnx_ir as ir
 
-    from onnxport.passes import fold_weight_transpose
-    from onnxport.passes.fold_weight_transpose import FoldWeightTransposePass
 
     w = RNG.integers(-127, 128, size=(5, 4)).astype(np.int8)
     inits = [_c("w", w), _c("ws", np.linspace(0.01, 0.05, 5).astype(np.float32)), _c("wz", np.zeros(5, np.int8))]
@@ -298,7 +301,7 @@ def test_weight_transpose_folding_reaches_into_if_bodies_and_keeps_shared_weight
                               [helper.make_tensor_value_info("picked", TensorProto.FLOAT, [2, 3, 5]),
                                helper.make_tensor_value_info("total", TensorProto.FLOAT, [])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    folded = fold_weight_transpose(model)
+    folded = on_proto(FoldWeightTransposePass(), model)
     onnx.checker.check_model(folded, full_check=True)
     assert "w" in {t.name for t in folded.graph.initializer}  # the main graph still reads it
     bodies = [a.g for n in folded.graph.node if n.op_type == "If" for a in n.attribute]

@@ -14,10 +14,9 @@ step's proof is the checker.
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 
-from ._ir import drop_unread_constants, is_default, is_scalar, nodes, on_proto, only_reader, other_input
+from ._ir import drop_unread_constants, is_default, is_scalar, nodes, only_reader, other_input
 from .gelu_order import one_plus_erf
 
 CONTRIB_DOMAIN = "com.microsoft"
@@ -66,8 +65,3 @@ class DequantizedGeluPass(ir.passes.InPlacePass):
         if modified and CONTRIB_DOMAIN not in model.opset_imports:
             model.opset_imports[CONTRIB_DOMAIN] = 1
         return ir.passes.PassResult(model, modified)
-
-
-def fuse_dequantized_gelus(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`DequantizedGeluPass` applied (idempotent)."""
-    return on_proto(DequantizedGeluPass(), model)

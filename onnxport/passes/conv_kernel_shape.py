@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from .._graph import is_default_domain
-from ._ir import constant_shape, is_default, nodes, on_proto
+from ._ir import constant_shape, is_default, nodes
 
 
 def convs_missing_kernel_shape(graph: onnx.GraphProto) -> list[str]:
@@ -46,8 +46,3 @@ class AddConvKernelShapePass(ir.passes.InPlacePass):
                    and (dims := constant_shape(node.inputs[1])) is not None and len(dims) >= 3]
         if missing:
             raise ir.passes.PostconditionError(f"Conv nodes with a constant weight and no kernel_shape: {missing[:5]}")
-
-
-def add_conv_kernel_shape(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` in which every Conv whose weight is a constant has ``kernel_shape``."""
-    return on_proto(AddConvKernelShapePass(), model)

@@ -15,11 +15,10 @@ exact too.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from ._ir import const_array, is_default, nodes, on_proto, only_reader
+from ._ir import const_array, is_default, nodes, only_reader
 
 
 def _same_parameters(a: ir.Node, b: ir.Node) -> bool:
@@ -83,8 +82,3 @@ class FoldPadIntoConvPass(ir.passes.InPlacePass):
         if modified:
             RemoveUnusedNodesPass()(model)  # the Pads and the pairs after them
         return ir.passes.PassResult(model, modified)
-
-
-def fold_pads_into_convs(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`FoldPadIntoConvPass` applied (idempotent)."""
-    return on_proto(FoldPadIntoConvPass(), model)

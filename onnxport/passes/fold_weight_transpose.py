@@ -62,17 +62,6 @@ class FoldWeightTransposePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
 
-def fold_weight_transpose(model: onnx.ModelProto, base_dir: str | None = None) -> onnx.ModelProto:
-    """Return a copy of ``model`` with every foldable weight Transpose folded (idempotent)."""
-    if base_dir:
-        from onnx.external_data_helper import load_external_data_for_model
-
-        model = onnx.ModelProto.FromString(model.SerializeToString())
-        load_external_data_for_model(model, base_dir)
-    work = ir.from_proto(model)
-    result = FoldWeightTransposePass()(work)
-    return ir.to_proto(result.model) if result.modified else _copy(model)
-
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     result = onnx.ModelProto()

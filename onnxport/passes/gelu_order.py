@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 
-import onnx
 import onnx_ir as ir
 
-from ._ir import is_default, is_scalar, nodes, on_proto, only_reader, other_input
+from ._ir import is_default, is_scalar, nodes, only_reader, other_input
 
 
 def one_plus_erf(div: ir.Node) -> tuple[ir.Node, ir.Node] | None:
@@ -69,8 +68,3 @@ class GeluOrderPass(ir.passes.InPlacePass):
             product.outputs[0].dtype, product.outputs[0].shape = x.dtype, outer.outputs[0].shape
             modified = True
         return ir.passes.PassResult(model, modified)
-
-
-def order_gelus_for_fusion(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`GeluOrderPass` applied (idempotent)."""
-    return on_proto(GeluOrderPass(), model)

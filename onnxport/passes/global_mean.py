@@ -16,10 +16,9 @@ a rank-3 tensor is "every axis after the channels" too).
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 
-from ._ir import const_array, drop_unread_constants, is_default, nodes, on_proto
+from ._ir import const_array, drop_unread_constants, is_default, nodes
 
 
 def _axes(node: ir.Node) -> list[int] | None:
@@ -69,8 +68,3 @@ class SpatialMeanToGlobalPoolPass(ir.passes.InPlacePass):
             drop_unread_constants([axes] if axes is not None else [])
             modified = True
         return ir.passes.PassResult(model, modified)
-
-
-def spatial_means_to_global_pools(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`SpatialMeanToGlobalPoolPass` applied (idempotent)."""
-    return on_proto(SpatialMeanToGlobalPoolPass(), model)

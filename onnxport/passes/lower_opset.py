@@ -17,9 +17,9 @@ import onnx.defs
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from .._graph import opset_of, unique_name
+from .._graph import unique_name
 from ..errors import ExportRefusedError
-from ._ir import const_array, drop_unread_constants, is_default, on_proto, taken_names
+from ._ir import const_array, drop_unread_constants, is_default, taken_names
 
 _REDUCE_OPS = {
     "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
@@ -220,9 +220,3 @@ class LowerOpsetPass(ir.passes.InPlacePass):
             raise self.refuse(
                 node, f"uses a form introduced in opset {schema.since_version} that the lowering does not rewrite"
             )
-
-
-def lower_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
-    """Return a copy of ``model`` declaring default-domain opset ``target`` (see :class:`LowerOpsetPass`)."""
-    opset_of(model)  # a model without a default-domain import is refused here, by name
-    return on_proto(LowerOpsetPass(target), model)

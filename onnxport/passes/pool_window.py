@@ -14,10 +14,9 @@ another order: a last-bit difference that a QuantizeLinear after it turns into a
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 
-from ._ir import is_default, nodes, on_proto
+from ._ir import is_default, nodes
 
 _POOLS = ("AveragePool", "MaxPool")
 
@@ -63,8 +62,3 @@ class PoolWindowPass(ir.passes.InPlacePass):
             node.attributes["ceil_mode"] = ir.AttrInt64("ceil_mode", 0)
             modified = True
         return ir.passes.PassResult(model, modified)
-
-
-def clip_pool_windows(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`PoolWindowPass` applied (idempotent)."""
-    return on_proto(PoolWindowPass(), model)

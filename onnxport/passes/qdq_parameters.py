@@ -9,12 +9,11 @@ zero-point at all. The cast values, stored as the constant they are, compute the
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from .._graph import unique_name
-from ._ir import const_array, is_default, nodes, on_proto, taken_names
+from ._ir import const_array, is_default, nodes, taken_names
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 
@@ -46,8 +45,3 @@ class FoldQDQParameterCastsPass(ir.passes.InPlacePass):
         if modified:
             RemoveUnusedNodesPass()(model)  # the casts (and their sources) nothing reads any more
         return ir.passes.PassResult(model, modified)
-
-
-def fold_qdq_parameter_casts(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`FoldQDQParameterCastsPass` applied (idempotent)."""
-    return on_proto(FoldQDQParameterCastsPass(), model)

@@ -10,10 +10,9 @@ the step is proven by the checker, after every identical-outputs step.
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 
-from ._ir import is_default, nodes, on_proto, only_reader
+from ._ir import is_default, nodes, only_reader
 
 
 def _reciprocal_of_sqrt(value: ir.Value | None) -> ir.Node | None:
@@ -46,8 +45,3 @@ class RsqrtToDivPass(ir.passes.InPlacePass):
                 modified = True
                 break
         return ir.passes.PassResult(model, modified)
-
-
-def rsqrt_to_div(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` with :class:`RsqrtToDivPass` applied (idempotent)."""
-    return on_proto(RsqrtToDivPass(), model)

@@ -9,12 +9,11 @@ write) keep their int8 zero-point.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from .._graph import unique_name
 from ..errors import ExportRefusedError
-from ._ir import const_array, drop_unread_constants, is_default, nodes, on_proto, taken_names
+from ._ir import const_array, drop_unread_constants, is_default, nodes, taken_names
 
 
 def _refuse(what: str) -> ExportRefusedError:
@@ -89,11 +88,3 @@ class ActivationsToUint8Pass(ir.passes.InPlacePass):
             quantized.shape = None
         drop_unread_constants(replaced)
         return ir.passes.PassResult(model, bool(moved))
-
-
-def activations_to_uint8(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Return a copy of ``model`` whose activation pairs read uint8 zero-point 128 (idempotent).
-
-    See :class:`ActivationsToUint8Pass` for what is refused.
-    """
-    return on_proto(ActivationsToUint8Pass(), model)

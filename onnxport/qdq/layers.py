@@ -38,7 +38,7 @@ CAUSES = ("rounding", "float_kernel", "qparams", "structure", "propagated")
 _DEFECTS = ("qparams", "structure", "float_kernel")
 #: One quantization step, with room for the float32 rounding of (q - zp) * scale itself.
 _ONE_STEP = 1 + 1e-3
-_UINT8_SHIFT = 128  # export_qdq's activations_to_uint8 moves int8 zero-points by this
+_UINT8_SHIFT = 128  # export_qdq's ActivationsToUint8Pass moves int8 zero-points by this
 
 
 @dataclass(frozen=True)
