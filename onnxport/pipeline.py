@@ -2,7 +2,7 @@
 file's proofs, with the file written once.
 
 A step is an ``onnx_ir`` pass and the proof that its result still computes what the exporter
-produced, one of three :class:`Proof` kinds: :class:`IdenticalOutputs` (ONNX Runtime,
+produced, one of four :class:`Proof` kinds: :class:`IdenticalOutputs` (ONNX Runtime,
 unoptimised, byte for byte against the reference outputs, computed once, when first needed),
 :class:`Structural` (a rewrite that changes no value: the checker) and :class:`LastBit` (a
 rewrite that may move a last bit: the checker, and no identical-outputs step after it, since its
