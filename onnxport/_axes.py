@@ -206,7 +206,8 @@ def _where(message: str, sizes: Sequence[int] = ()) -> str:
 
 
 def capture_with_axes(export: Callable[[tuple | None], T], axes: Axes, names: Sequence[str],
-                      inputs: Sequence[torch.Tensor], model: Any) -> tuple[T, str]:
+                      inputs: Sequence[torch.Tensor], model: Any,
+                      ranges: Mapping[str, tuple[int | None, int | None]] | None = None) -> tuple[T, str]:
     """Run ``export(dynamic_shapes)`` with the axes' ``Dim``s, accepting the ranges torch.export
     proves the model bounds a size to (then retrying once with them), and refusing, by input and
     axis, a size it proves the model fixes.
@@ -215,7 +216,7 @@ def capture_with_axes(export: Callable[[tuple | None], T], axes: Axes, names: Se
     model code that added it (for :func:`specialized_sentence`, when the caller finds a size
     fixed in the result).
     """
-    ranges: dict[str, tuple[int | None, int | None]] = {}
+    ranges = dict(ranges or {})
     for _ in range(3):
         try:
             with _guard_log() as guards:

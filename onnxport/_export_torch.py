@@ -64,12 +64,15 @@ def torch_program(
     output_names: list[str],
     axes: Axes,
     custom_translation_table: dict | None = None,
+    ranges: dict[str, tuple[int | None, int | None]] | None = None,
 ) -> torch.onnx.ONNXProgram:
     """Export with the dynamo exporter at ``max(opset_version, 18)``, with the symbolic ``axes``
     (checked by :func:`onnxport._axes.resolve_axes`) named as their labels in the file.
 
     The program's ``model`` is an ``onnx_ir`` model whose weights still live in torch (nothing is
-    copied until it is saved); ``model_proto`` is the same graph as a protobuf.
+    copied until it is saved); ``model_proto`` is the same graph as a protobuf. ``ranges`` bounds
+    labels from the start (``{'total_sequence': (4, None)}``), saving the capture torch would
+    otherwise refuse once and suggest them from.
     """
     inputs = tracing_inputs(inputs, input_names, axes)
     chatter = io.StringIO()
@@ -98,7 +101,7 @@ def torch_program(
             )
 
     try:
-        program, guards = capture_with_axes(export, axes, input_names, inputs, model)
+        program, guards = capture_with_axes(export, axes, input_names, inputs, model, ranges)
     except InvalidArgumentError:
         raise
     except Exception as error:  # the exporter raises many types; the cause is kept as __cause__

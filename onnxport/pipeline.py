@@ -105,11 +105,15 @@ class Pipeline:
         scratch: a folder for models over protobuf's 2 GB limit, which can only be run from files.
         axes: the symbolic axes the file promises; every run is then made at two sizes of each
             (the sample, and the sample one longer on every symbolic axis).
+        samples: the feeds of every run instead, when the axes are tied to each other (a
+            decoder's mask is as long as its past and its new tokens together, so one longer on
+            every axis is no valid input): e.g. a prompt with an empty past, and one decode step.
     """
 
     feeds: Mapping[str, np.ndarray]
     scratch: Path
     axes: Axes = field(default_factory=dict)
+    samples: Sequence[Mapping[str, np.ndarray]] | None = None
     reference: list[np.ndarray] | None = None
     #: ONNX Runtime sessions this pipeline created (the benchmark reports it).
     sessions: int = 0
@@ -117,9 +121,12 @@ class Pipeline:
     changed: list[str] = field(default_factory=list)
     _produced: onnx.ModelProto | None = field(default=None, repr=False)
     _applied: list[Step] = field(default_factory=list, repr=False)
+    _no_reference: bool = field(default=False, repr=False)
 
     def sizes(self) -> list[Mapping[str, np.ndarray]]:
         """The feeds every run uses: the sample, and one longer on every symbolic axis."""
+        if self.samples is not None:
+            return list(self.samples)
         return [self.feeds, second_size(self.feeds, self.axes)] if self.axes else [self.feeds]
 
     def _run(self, model: onnx.ModelProto | Path, *, optimized: bool) -> list[np.ndarray]:
@@ -128,12 +135,18 @@ class Pipeline:
         source = _checks.source(model, self.scratch, "run.onnx")
         return [out for outs in _checks.run_batches(source, self.sizes(), optimized=optimized) for out in outs]
 
-    def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = ()) -> None:
+    def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = (),
+              *, keep_reference: bool = True) -> None:
         """Check the graph as the exporter produced it and keep it as the reference.
 
         Its outputs are computed once, when the first step proven by identical outputs changes
         the graph; an export whose steps change nothing (or only attributes) runs no extra session.
+        ``keep_reference=False`` keeps no copy (for step lists with no identical-outputs step,
+        where a copy would only cost the weights' size in memory): such a step then refuses.
         """
+        if not keep_reference:
+            self._no_reference = True
+            return
         proto = ir.to_proto(produced)
         for proof in proofs:
             proof(proto)
@@ -142,7 +155,7 @@ class Pipeline:
     def _reference(self) -> list[np.ndarray]:
         if self.reference is None:
             if self._produced is None:
-                raise AssertionError("Pipeline.start must run before a step proven by identical outputs")
+                raise AssertionError("Pipeline.start must run, keeping its reference, before a step proven by identical outputs")
             self.reference = self._run(self._produced, optimized=False)
             self._produced = None  # the produced graph is not needed any more
         return self.reference
@@ -152,6 +165,8 @@ class Pipeline:
         checked first, and across calls: a later call may not bring an identical-outputs step
         after a last-bit one)."""
         check_order([*self._applied, *steps])
+        if self._no_reference and any(step.proof is IdenticalOutputs for step in steps):
+            raise AssertionError("Pipeline.start kept no reference graph, so no step may be proven by identical outputs.")
         self._applied.extend(steps)
         for step in steps:
             try:
@@ -201,7 +216,7 @@ class Pipeline:
         if on_file and not rules:
             raise AssertionError(f"The steps {on_file} are proven by the written file's rules, but none were given.")
         try:
-            onnx.checker.check_model(str(path), full_check=True)
+            onnx.checker.check_model(str(_checks.checker_view(path)), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
             after = f" (after the steps {', '.join(map(repr, self.changed))})" if self.changed else ""
             raise ExportRefusedError(

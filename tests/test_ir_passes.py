@@ -262,6 +262,35 @@ def test_onnxslim_pass_is_honest_about_modified():
     np.testing.assert_array_equal(run(ir.to_proto(first.model), {"x": x}, optimized=False)[0], x * 4)
 
 
+def test_onnxslim_pass_lifts_large_weights_out_of_its_reach_and_back():
+    from onnxport.passes.optimize import OnnxSlimPass
+
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["xi"]), helper.make_node("MatMul", ["xi", "w"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", FLOAT, [2, 3])], [helper.make_tensor_value_info("y", FLOAT, [2, 4])],
+        [_c("w", weight)])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    tensor = model.graph.initializers["w"].const_value
+    result = OnnxSlimPass(lift_larger_than=16)(model)
+    assert result.modified and [n.op_type for n in result.model.graph] == ["MatMul"]
+    assert result.model.graph.initializers["w"].const_value is tensor  # handed back, never copied
+    assert [v.name for v in result.model.graph.inputs] == ["x"]
+    # the input model is left as it was: its weight back among its initializers, not its inputs
+    assert model.graph.initializers["w"].const_value is tensor and [v.name for v in model.graph.inputs] == ["x"]
+    x = RNG.standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(run(ir.to_proto(result.model), {"x": x}, optimized=False)[0], x @ weight)
+
+
+def test_a_pipeline_started_without_its_reference_refuses_identical_outputs_steps(tmp_path):
+    pipeline = Pipeline(FEEDS, scratch=tmp_path)
+    model = _matmul_model()
+    pipeline.start(model, keep_reference=False)
+    pipeline.apply(model, [Step("kernel shapes", AddConvKernelShapePass(), Structural)])
+    with pytest.raises(AssertionError, match="no reference graph"):
+        pipeline.apply(model, [Step("lower to opset 17", LowerOpsetPass(17))])
+
+
 def test_a_pool_window_larger_than_its_input_is_clipped_in_bodies_too():
     from onnxport.passes.pool_window import PoolWindowPass
 
