@@ -58,6 +58,9 @@ _EXPORTS = {
     "encodings_to_onnx_qdq": ".encodings",
     "onnx_qdq_to_encodings": ".encodings",
     "strip_qdq": ".encodings",
+    "export_decoder": ".llm",
+    "generate": ".llm",
+    "DecoderFile": ".llm",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -80,6 +83,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .export import export_onnx
     from .files import save_model
+    from .llm import DecoderFile, export_decoder, generate
     from .qdq.export import export_qdq
     from .qdq.layers import LayerReport, LayerRow, compare_layers
     from .qdq.rules import check_target

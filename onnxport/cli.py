@@ -174,6 +174,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_llm(args: argparse.Namespace) -> int:
+    from .llm import export_decoder
+
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise UsageError(f"FOLDER '{args.folder}' is not a folder; give the folder save_pretrained wrote.")
+    result = export_decoder(folder, args.output, precision=args.precision, flavour=args.flavour,
+                            group_size=args.group_size)
+    print(result.summary())
+    if result.genai_config is not None:
+        print(f"wrote {result.genai_config}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import generate
+
+    _input_file(args.file, "FILE")
+    rows = [[int(t) for t in row.split(",") if t.strip()] for row in args.ids]
+    if any(not row for row in rows):
+        raise UsageError("--ids needs comma-separated token ids, e.g. --ids 1,15,27 (once per prompt).")
+    width = max(map(len, rows))
+    # prompts of different lengths are padded on the left, as the decoder expects
+    ids = [[0] * (width - len(row)) + row for row in rows]
+    mask = [[0] * (width - len(row)) + [1] * len(row) for row in rows]
+    tokens = generate(args.file, ids, mask, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for row, length in zip(tokens.tolist(), map(len, rows)):
+        print(",".join(map(str, row[width - length:])))
+    return 0
+
+
 def cmd_qdq(args: argparse.Namespace) -> int:
     from . import Quantizer, export_qdq, qdq_stats
 
@@ -301,6 +333,28 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-optimize", action="store_true")
     export.add_argument("--static-batch", action="store_true", help="keep the sample's batch size fixed")
     export.set_defaults(func=cmd_export)
+
+    llm = sub.add_parser("llm", help="a causal LM's save_pretrained folder -> an ONNX decoder with a key/value cache")
+    llm.add_argument("folder", metavar="FOLDER", help="the folder save_pretrained wrote (config.json, weights)")
+    llm.add_argument("-o", "--output", required=True, metavar="OUTDIR",
+                     help="folder for model.onnx (+ .data), genai_config.json and the tokenizer files")
+    llm.add_argument("--precision", default="fp32", choices=("fp32", "int4", "int8"))
+    llm.add_argument("--flavour", default="portable", choices=("portable", "ort-cpu"),
+                     help="standard ONNX operators, or ONNX Runtime's CPU fusions")
+    llm.add_argument("--group-size", type=int, default=32, help="int4/int8: input features per scale")
+    llm.set_defaults(func=cmd_llm)
+
+    gen = sub.add_parser("generate", help="generate token ids with a decoder file (greedy, or seeded sampling)")
+    gen.add_argument("file", metavar="FILE.onnx")
+    gen.add_argument("--ids", action="append", required=True, metavar="IDS",
+                     help="a prompt's comma-separated token ids; once per prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, help="the sampling seed")
+    gen.set_defaults(func=cmd_generate)
 
     qdq = sub.add_parser("qdq", help="pt2e-quantize and export faithful Q/DQ")
     model_args(qdq)

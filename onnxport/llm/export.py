@@ -1,0 +1,496 @@
+"""``export_decoder``: a transformers causal LM to one ONNX decoder with a key/value cache, proven
+by decoding with it against the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._io import check_output_path, staged_output, write_bytes_atomic
+from .._torch import eval_mode
+from ..compare import CosineAtLeast, Report, RunResults, ScaledAllclose, compare_runs
+from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning, check_choice
+from .generate import METADATA_KEY, decode, ort_step
+from .model import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    DecoderShape,
+    cached_call,
+    cached_forward,
+    check_cache,
+    decoder_shape,
+    load_causal_lm,
+    position_ids_for,
+)
+
+PRECISIONS = ("fp32", "int4", "int8")
+FLAVOURS = ("portable", "ort-cpu")
+#: fp32 decoders' default opset: the oldest the exporter writes, read by every ORT since 1.14.
+DEFAULT_OPSET = 18
+#: int4/int8 decoders: DequantizeLinear with int4 and block_size is new in opset 21.
+WEIGHT_ONLY_OPSET = 21
+#: New tokens the exporter's proof decodes (teacher-forced: the model's greedy tokens fed to both).
+PROOF_TOKENS = 8
+#: fp32 files: every logit within this of the model's, scaled to the logits' magnitude.
+FP32_TOLERANCE = ScaledAllclose(rtol=1e-4, atol=1e-4)
+#: Weight-only files against the torchao model they store: ONNX Runtime's unoptimised run
+#: computes that model's arithmetic in another order; this is the weight-only exporter's bound.
+WEIGHT_ONLY_COSINE = 0.9999
+#: Files save_pretrained writes beside a model that a generator needs (copied into an output folder).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+@dataclass
+class DecoderFile:
+    """What :func:`export_decoder` wrote and proved. ``os.fspath`` gives the ``.onnx`` file.
+
+    Attributes:
+        path: the ONNX decoder (its weights in ``<name>.data`` beside it when large).
+        precision, flavour: as asked.
+        fusions: the ONNX Runtime operators the ``'ort-cpu'`` flavour fused, by type.
+        agreement: the file's logits against the model's on the proof's prompts, at ONNX
+            Runtime's unoptimised level (ONNX semantics), prefill and every decode step.
+        deployed: the same at ONNX Runtime's default level, as a user's session runs the file.
+        token_agreement: the share of the proof's greedy tokens the file (default level) picks
+            as the model does, each step fed the model's own previous token.
+        genai_config: the ``genai_config.json`` written beside the file (folder outputs only).
+
+    ``str`` of it is the file's path (so ``onnx.load(str(result))`` works); :meth:`summary`
+    describes it.
+    """
+
+    path: Path
+    precision: str
+    flavour: str
+    shape: DecoderShape
+    fusions: dict[str, int] = field(default_factory=dict)
+    agreement: Report | None = None
+    deployed: Report | None = None
+    token_agreement: float = 1.0
+    genai_config: Path | None = None
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def summary(self) -> str:
+        """What was written and how it was proven, in a few lines."""
+        fused = ", ".join(f"{k} {v}" for k, v in self.fusions.items()) or "none"
+        lines = [
+            f"{self.path} ({self.shape.model_type}, {self.shape.layers} layers, {self.precision}, {self.flavour})",
+            f"  fused for ONNX Runtime: {fused}",
+            f"  greedy tokens as the model's (default level): {self.token_agreement:.1%}",
+        ]
+        for label, report in (("unoptimised", self.agreement), ("default level", self.deployed)):
+            if report is not None:
+                worst = min(r.cosine_similarity for r in report.outputs)
+                diff = max(r.max_abs_error for r in report.outputs)
+                lines.append(f"  logits vs the model ({label}): min cosine {worst:.8f}, max |diff| {diff:.3g}")
+        return "\n".join(lines)
+
+
+def _output(output_path: Any) -> tuple[Path, Path | None]:
+    """(the .onnx file, the folder for genai_config.json or None): a path ending in ``.onnx`` is
+    the file; anything else is a folder that receives ``model.onnx`` and its generator config."""
+    if not isinstance(output_path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"output_path must be a .onnx file or a folder (str or os.PathLike), not {type(output_path).__name__}."
+        )
+    path = Path(output_path)
+    if path.suffix == ".onnx":
+        return check_output_path(path), None
+    if path.exists() and not path.is_dir():
+        raise InvalidArgumentError(f"output_path '{path}' is a file that is not .onnx; give a .onnx file or a folder.")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not path.exists() and not parent.is_dir():
+        raise InvalidArgumentError(f"The folder above output_path '{path}' does not exist; create '{parent}' first.")
+    return path / "model.onnx", path
+
+
+def _sample(shape: DecoderShape, batch: int, length: int, past: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Inputs the capture traces with: every symbolic size at least 2 (torch specialises 0 and 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape.vocab, (batch, length), generator=generator)
+    mask = torch.ones(batch, past + length, dtype=torch.int64)
+    positions = torch.arange(past, past + length).expand(batch, length).contiguous()
+    cache = [torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=generator) * 0.5
+             for _ in range(2 * shape.layers)]
+    return (ids, mask, positions, *cache)
+
+
+def _axes(shape: DecoderShape) -> dict[str, dict[int, str]]:
+    axes = {INPUT_IDS: {0: "batch", 1: "sequence"}, ATTENTION_MASK: {0: "batch", 1: "total_sequence"},
+            POSITION_IDS: {0: "batch", 1: "sequence"}}
+    axes.update({name: {0: "batch", 2: "past_sequence"} for name in shape.input_names[3:]})
+    return axes
+
+
+def _proof_prompts(shape: DecoderShape, length: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """Two prompts, the second left-padded by two: the batch the proof decodes."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, shape.vocab, size=(2, length), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, :2] = 0
+    ids[1, :2] = shape.pad_token_id if shape.pad_token_id is not None and 0 <= shape.pad_token_id < shape.vocab else 0
+    return ids, mask
+
+
+def _feeds(shape: DecoderShape, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> dict[str, np.ndarray]:
+    return {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: position_ids_for(mask, ids.shape[1]),
+            **dict(zip(shape.input_names[3:], past))}
+
+
+def torch_step(model: torch.nn.Module, shape: DecoderShape):
+    """The decode step of the PyTorch model itself (for the proof's reference)."""
+
+    def step(ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray]):
+        with torch.no_grad():
+            out = cached_call(model, shape.layers, torch.from_numpy(ids), torch.from_numpy(mask),
+                              torch.from_numpy(positions), tuple(torch.from_numpy(p) for p in past))
+        return out[0].float().numpy(), [t.numpy() for t in out[1:]]
+
+    return step
+
+
+def _empty(shape: DecoderShape, batch: int) -> list[np.ndarray]:
+    return [np.zeros((batch, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
+
+
+def _reference_decoding(model: torch.nn.Module, shape: DecoderShape) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The model's greedy tokens on the proof's prompts, and its last logits at every step."""
+    ids, mask = _proof_prompts(shape)
+    logits: list[np.ndarray] = []
+    tokens = decode(torch_step(model, shape), ids, mask, _empty(shape, len(ids)), PROOF_TOKENS,
+                    lambda last: last.argmax(-1), on_logits=logits.append)
+    return tokens, logits
+
+
+def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimized: bool) -> tuple[list[np.ndarray], float]:
+    """The file's last logits at every step, fed the model's tokens (teacher forcing, so a token the
+    two pick differently does not send the rest apart), and how often its own pick matched."""
+    from ..runtime import make_session
+
+    try:
+        session = make_session(path, optimized=optimized)
+    except Exception as error:  # ONNX Runtime raises its own Fail/InvalidGraph types
+        raise _RuntimeRefused(f"ONNX Runtime cannot load it: {_first_line(error)}") from error
+    ids, mask = _proof_prompts(shape)
+    forced = iter(tokens[:, ids.shape[1]:].T)
+    logits: list[np.ndarray] = []
+    agree: list[bool] = []
+
+    def pick(last: np.ndarray) -> np.ndarray:
+        chosen = next(forced)
+        agree.extend(last.argmax(-1) == chosen)
+        return chosen
+
+    try:
+        decode(ort_step(session), ids, mask, _empty(shape, len(ids)), PROOF_TOKENS, pick, on_logits=logits.append)
+    except Exception as error:
+        raise _RuntimeRefused(f"ONNX Runtime cannot run it: {_first_line(error)}") from error
+    return logits, float(np.mean(agree))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def _compare(got: list[np.ndarray], ref: list[np.ndarray], strategy: Any, level: str) -> Report:
+    names = ["prefill"] + [f"decode step {i}" for i in range(1, len(ref))]
+    return compare_runs(RunResults(f"the file (ONNX Runtime, {level})", dict(zip(names, got)), 2),
+                        RunResults("the PyTorch model", dict(zip(names, ref)), 2), strategy)
+
+
+def export_decoder(
+    model_or_folder: Any,
+    output_path: str | os.PathLike,
+    *,
+    precision: str = "fp32",
+    flavour: str = "portable",
+    group_size: int = 32,
+    opset_version: int | None = None,
+) -> DecoderFile:
+    """Export a transformers causal LM to one ONNX decoder with a key/value cache.
+
+    The file takes ``input_ids``, ``attention_mask``, ``position_ids`` and
+    ``past_key_values.{i}.key/value`` and gives ``logits`` and ``present.{i}.key/value``
+    (Optimum's names); batch, sequence and past length are symbolic, so one file runs the prompt
+    (with an empty past) and every decode step, and the cache grows with the text — nothing is
+    allocated to a maximum length. :func:`generate` decodes with it.
+
+    Args:
+        model_or_folder: a transformers causal LM (``AutoModelForCausalLM``), or the folder
+            ``save_pretrained`` wrote (loaded in float32; nothing is downloaded).
+        output_path: a ``.onnx`` file, or a folder that receives ``model.onnx`` (and
+            ``model.onnx.data``), a ``genai_config.json`` for onnxruntime-genai and the folder's
+            tokenizer files. It holds a complete, proven file or is left as it was.
+        precision: ``'fp32'``; ``'int4'`` or ``'int8'``: the faithful weight-only file — every
+            Linear's weights are torchao's integers (symmetric, ``group_size`` per scale) as
+            ``DequantizeLinear``, which ONNX Runtime fuses into ``MatMulNBits``.
+        flavour: ``'portable'`` (standard ONNX operators) or ``'ort-cpu'`` (ONNX Runtime's CPU
+            fusions: SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
+            MultiHeadAttention, … counted in the result's ``fusions``).
+        group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
+        opset_version: the default-domain opset: 18 or later for fp32 (default 18), 21 or later
+            for int4/int8 (default 21: int4 and blocked scales are new there).
+
+    Returns:
+        A :class:`DecoderFile`: the path, the fusions, and the proof's figures. The proof
+        decodes two prompts (one left-padded) for 8 greedy tokens with the file and with the
+        model, feeding both the model's tokens: every step's logits must agree (fp32: within
+        ``1e-4`` of the logits' scale; int4/int8: cosine ≥ 0.9999 with the torchao model),
+        at ONNX Runtime's unoptimised level; the default level is measured and reported.
+    """
+    from tqdm.auto import tqdm
+
+    check_choice(precision, PRECISIONS, "precision")
+    check_choice(flavour, FLAVOURS, "flavour")
+    lowest = DEFAULT_OPSET if precision == "fp32" else WEIGHT_ONLY_OPSET
+    if opset_version is None:
+        opset_version = lowest
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not lowest <= opset_version <= newest:
+        raise InvalidArgumentError(
+            f"opset_version must be an integer from {lowest} to {newest} for precision={precision!r}, not "
+            f"{opset_version!r}" + (" (int4 and blocked scales are new in opset 21)." if lowest > DEFAULT_OPSET else ".")
+        )
+    file, folder = _output(output_path)
+    model = load_causal_lm(model_or_folder)
+    shape = decoder_shape(model)
+    source_folder = Path(model_or_folder) if isinstance(model_or_folder, (str, os.PathLike)) else None
+
+    with tqdm(total=6, desc="export_decoder", leave=False, disable=None) as bar:
+        weights: list = []
+        reference_model = model
+        export_model = model
+        if precision != "fp32":
+            from ..qdq.weight_only import _export_copy, quantized_weights
+            from ..quantize.weight_only import quantize_weight_only
+
+            reference_model = quantize_weight_only(model, f"{precision}_weight_only", group_size=group_size,
+                                                   symmetric=True, embeddings=False)
+            weights = quantized_weights(reference_model)
+            export_model = _export_copy(reference_model, weights)
+        bar.update()
+        sample = _sample(shape, batch=2, length=3, past=4, seed=0)
+        with eval_mode(reference_model):
+            check_cache(reference_model, shape, sample)
+            tokens, reference_logits = _reference_decoding(reference_model, shape)
+        bar.update()
+        if folder is not None:
+            folder.mkdir(exist_ok=True)
+        job = _Job(export_model, shape, sample, tokens, reference_logits, weights, precision, flavour,
+                   group_size, opset_version, type(model).__name__)
+        try:
+            result = _write(job, file, bar, attention=True)
+        except _RuntimeRefused as error:
+            if flavour != "ort-cpu":
+                raise
+            warnings.warn(
+                f"onnxscript's attention fusions wrote a graph ONNX Runtime refuses for this "
+                f"{shape.model_type} model ({error}); the 'ort-cpu' file fuses its norms, rotary and GELU "
+                f"and keeps attention in standard operators.",
+                PerformanceWarning,
+                stacklevel=2,
+            )
+            result = _write(job, file, bar, attention=False)
+        if folder is not None:
+            result.genai_config = _write_folder_extras(folder, file, shape, source_folder)
+        bar.update()
+    return result
+
+
+class _RuntimeRefused(ExportRefusedError):
+    """ONNX Runtime refused to load or run the written file."""
+
+
+@dataclass
+class _Job:
+    """What one write of the decoder file needs (the ``'ort-cpu'`` flavour may write twice)."""
+
+    export_model: torch.nn.Module
+    shape: DecoderShape
+    sample: tuple[torch.Tensor, ...]
+    tokens: np.ndarray
+    reference_logits: list[np.ndarray]
+    weights: list
+    precision: str
+    flavour: str
+    group_size: int
+    opset_version: int
+    model_name: str
+
+
+def decoder_steps(weights: list, fusion: Any = None) -> list:
+    """The decoder's graph steps, each with its proof: torchao's integers in place (int4/int8),
+    ONNX Runtime's fusions (``'ort-cpu'``; before onnxslim, whose rewrites hide the patterns
+    onnxscript looks for), and onnxslim's clean-up with the weights lifted out of its reach."""
+    from onnx_ir.passes.common import RemoveUnusedOpsetsPass
+
+    from ..passes.optimize import OnnxSlimPass
+    from ..passes.rsqrt_div import RsqrtToDivPass
+    from ..pipeline import LastBit, OnFile, Step, Structural
+    from ..qdq.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
+
+    steps = []
+    if weights:
+        steps.append(Step("store the weights as torchao's integers", InsertDequantizersPass(weights), OnFile))
+    if fusion is not None:
+        # the fused kernels add in another order: the decoding proof on the file is theirs
+        steps.append(Step("fuse for ONNX Runtime's CPU (onnxscript)", fusion, OnFile))
+    steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
+    if weights:
+        steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
+    else:
+        steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
+    steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
+    return steps
+
+
+def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
+    """Capture, rewrite, write and prove the decoder file at ``file`` (complete or not at all)."""
+    from .._export_torch import torch_program
+    from ..passes.ort_fusions import OrtFusionPass
+    from ..passes.ort_quantize import SetMetadataPass
+    from ..pipeline import Pipeline, Step, Structural
+
+    shape, weights = job.shape, job.weights
+    axes = _axes(shape)
+    prompt, mask = _proof_prompts(shape)
+    prefill = _feeds(shape, prompt, mask, _empty(shape, 2))
+    rng = np.random.default_rng(1)
+    step_past = [rng.standard_normal((2, shape.kv_heads, prompt.shape[1], shape.head_dim)).astype(np.float32)
+                 for _ in range(2 * shape.layers)]
+    step_mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+    decode_feeds = _feeds(shape, job.tokens[:, prompt.shape[1]:prompt.shape[1] + 1], step_mask, step_past)
+    fusion = OrtFusionPass(attention=attention)
+    with staged_output(file) as staged:
+        # the runs every step's proof makes: a prompt with an empty past, and one decode step
+        pipeline = Pipeline(prefill, scratch=staged.parent, axes=axes, samples=[prefill, decode_feeds])
+        with eval_mode(job.export_model), cached_forward(job.export_model, shape):
+            # torch.export takes every traced size to be at least 2, so the mask (past and new
+            # tokens together) at least 4; saying so up front saves a refused capture
+            graph = torch_program(job.export_model, job.sample, opset_version=job.opset_version,
+                                  input_names=shape.input_names, output_names=shape.output_names, axes=axes,
+                                  ranges={"total_sequence": (4, None)}).model
+        # no step is proven by identical outputs (the decoding proof on the file covers them all),
+        # so no copy of the graph as produced is kept: at LLM sizes it would cost the weights again
+        pipeline.start(graph, keep_reference=False)
+        bar.update()
+        steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None)
+        record = {**shape.__dict__, "precision": job.precision, "flavour": job.flavour,
+                  "group_size": job.group_size if weights else None}
+        steps.append(Step("record the decoder", SetMetadataPass({METADATA_KEY: json.dumps(record)}), Structural))
+        graph = pipeline.apply(graph, steps)
+        bar.update()
+        pipeline.write(graph, staged)
+        del graph
+        result = DecoderFile(staged, job.precision, job.flavour, shape, fusions=dict(fusion.fusions))
+
+        def integers(path: Path) -> None:
+            from ..qdq.weight_only import check_weights_faithful
+
+            check_weights_faithful(path, weights)
+
+        def decoding(path: Path) -> None:
+            strategy = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights else FP32_TOLERANCE
+            got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
+            result.agreement = _compare(got, job.reference_logits, strategy, "unoptimised")
+            if not result.agreement:
+                raise ExportRefusedError(
+                    f"The decoder file does not compute what {job.model_name} computes "
+                    f"({strategy.describe()}):\n{result.agreement}\nNothing was kept."
+                )
+            got, result.token_agreement = _file_decoding(path, shape, job.tokens, optimized=True)
+            result.deployed = _compare(got, job.reference_logits, strategy, "default level")
+            if not result.deployed:
+                warnings.warn(
+                    f"At ONNX Runtime's default level the decoder's logits agree with the model to "
+                    f"{min(r.cosine_similarity for r in result.deployed.outputs):.6f} (cosine)"
+                    + (": its MatMulNBits computes with int8 activations there (accuracy level 4); set the "
+                       "session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations."
+                       if weights else "."),
+                    RuntimePrecisionWarning,
+                    stacklevel=5,
+                )
+
+        rules = ([integers] if weights else []) + [decoding]
+        pipeline.prove_file(staged, opset=job.opset_version, rules=rules)
+        bar.update()
+    result.path = file
+    return result
+
+
+def genai_config(shape: DecoderShape, filename: str) -> dict[str, Any]:
+    """onnxruntime-genai's configuration for a decoder file (its keys as its model builder writes
+    them). The cache is not shared between past and present: the file's present grows by the new
+    tokens, it is not a buffer of the maximum length."""
+    eos = shape.eos_token_id
+    return {
+        "model": {
+            "bos_token_id": shape.bos_token_id,
+            "context_length": shape.max_positions,
+            "eos_token_id": eos,
+            "pad_token_id": shape.pad_token_id if shape.pad_token_id is not None else (eos[0] if isinstance(eos, list) else eos),
+            "type": shape.model_type,
+            "vocab_size": shape.vocab,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": filename,
+                "head_size": shape.head_dim,
+                "hidden_size": shape.hidden,
+                "num_attention_heads": shape.heads,
+                "num_hidden_layers": shape.layers,
+                "num_key_value_heads": shape.kv_heads,
+                "inputs": {
+                    "input_ids": INPUT_IDS,
+                    "attention_mask": ATTENTION_MASK,
+                    "position_ids": POSITION_IDS,
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+            },
+        },
+        "search": {
+            "max_length": shape.max_positions,
+            "min_length": 0,
+            "do_sample": False,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def _write_folder_extras(folder: Path, file: Path, shape: DecoderShape, source: Path | None) -> Path:
+    config = folder / "genai_config.json"
+    write_bytes_atomic(config, json.dumps(genai_config(shape, file.name), indent=2).encode())
+    if source is not None and source.resolve() != folder.resolve():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, folder / name)
+    return config

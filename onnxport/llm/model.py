@@ -1,0 +1,251 @@
+"""The causal LM a decoder file is exported from: loading it, its cache's shape, and the forward
+the exporter captures (flat past key/values in, logits and flat present key/values out)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError
+
+#: The file's input and output names, as Optimum's ``text-generation-with-past`` writes them.
+INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
+
+
+def past_names(layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+
+
+def present_names(layers: int) -> list[str]:
+    return [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a decoder file's cache and vocabulary look like, read from the model's config."""
+
+    model_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads: int
+    hidden: int
+    vocab: int
+    max_positions: int | None
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+
+    @property
+    def input_names(self) -> list[str]:
+        return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS, *past_names(self.layers)]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [LOGITS, *present_names(self.layers)]
+
+
+def _first(config: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def decoder_shape(model: torch.nn.Module) -> DecoderShape:
+    """The cache shape the exporter promises, from ``model.config`` (checked against a real
+    forward by :func:`check_cache`)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads, hidden = _first(text, "num_attention_heads", "n_head"), _first(text, "hidden_size", "n_embd")
+    layers = _first(text, "num_hidden_layers", "n_layer")
+    if heads is None or hidden is None or layers is None:
+        raise ExportRefusedError(
+            f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) has no attention heads in its config, so "
+            f"its cache is not per-layer keys and values; neither flavour can express it, and nothing was written."
+        )
+    heads, hidden = int(heads), int(hidden)
+    generation = getattr(model, "generation_config", None)
+    return DecoderShape(
+        model_type=str(getattr(config, "model_type", type(model).__name__)),
+        layers=int(layers),
+        kv_heads=int(_first(text, "num_key_value_heads") or heads),
+        head_dim=int(_first(text, "head_dim") or hidden // heads),
+        heads=heads,
+        hidden=hidden,
+        vocab=int(text.vocab_size),
+        max_positions=_first(text, "max_position_embeddings", "n_positions"),
+        bos_token_id=_first(generation, "bos_token_id") if generation is not None else text.bos_token_id,
+        eos_token_id=_first(generation, "eos_token_id") if generation is not None else text.eos_token_id,
+        pad_token_id=_first(generation, "pad_token_id") if generation is not None else getattr(text, "pad_token_id", None),
+    )
+
+
+def load_causal_lm(model_or_folder: Any, argument: str = "model_or_folder") -> torch.nn.Module:
+    """A transformers causal LM as given, or loaded in float32 from a local ``save_pretrained``
+    folder (nothing is downloaded). Anything else is refused, naming what it is."""
+    if isinstance(model_or_folder, (str, os.PathLike)):
+        folder = Path(model_or_folder)
+        if not folder.is_dir():
+            raise InvalidArgumentError(
+                f"{argument} '{folder}' is not a folder: give a transformers model, or the folder "
+                f"save_pretrained wrote (with config.json and the weights)."
+            )
+        if not (folder / "config.json").is_file():
+            raise InvalidArgumentError(
+                f"{argument} '{folder}' has no config.json, so it is not a folder save_pretrained wrote; "
+                f"give the folder that holds config.json and the weights."
+            )
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except Exception as error:  # transformers raises ValueError, OSError, KeyError alike
+            raise InvalidArgumentError(f"transformers cannot read {folder / 'config.json'}: {error}") from error
+        _check_causal_config(config, f"The model in '{folder}'")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        except Exception as error:
+            raise DependencyError(
+                f"transformers could not load the causal LM in '{folder}': {type(error).__name__}: "
+                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            ) from error
+        return model.eval()
+    if not isinstance(model_or_folder, torch.nn.Module):
+        raise InvalidArgumentError(
+            f"{argument} must be a transformers causal LM or the path of a save_pretrained folder, "
+            f"not {type(model_or_folder).__name__}."
+        )
+    config = getattr(model_or_folder, "config", None)
+    if config is None or not hasattr(model_or_folder, "get_output_embeddings"):
+        raise InvalidArgumentError(
+            f"{argument} is a {type(model_or_folder).__name__}, not a transformers model: export_decoder "
+            f"exports transformers causal LMs (AutoModelForCausalLM); use export_onnx for other modules."
+        )
+    _check_causal_config(config, f"{type(model_or_folder).__name__}")
+    if model_or_folder.get_output_embeddings() is None:
+        raise InvalidArgumentError(
+            f"{type(model_or_folder).__name__} has no language-model head (get_output_embeddings() is None), "
+            f"so it gives no logits to generate from; load it with AutoModelForCausalLM."
+        )
+    return model_or_folder
+
+
+def _check_causal_config(config: Any, what: str) -> None:
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise InvalidArgumentError(
+            f"{what} is an encoder-decoder ({config.model_type}); export_decoder exports decoder-only "
+            f"causal LMs, whose one file takes its own past keys and values."
+        )
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise InvalidArgumentError(
+            f"{what} ({getattr(config, 'model_type', type(config).__name__)}) has no causal-LM head in "
+            f"transformers (AutoModelForCausalLM does not know its config), so it cannot generate."
+        )
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ExportRefusedError(f"the model returned a {type(cache).__name__} cache, which has no per-layer keys and values")
+    flat = []
+    for layer in layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ExportRefusedError(f"its cache layer {type(layer).__name__} keeps no key and value tensors")
+        flat += [keys, values]
+    return flat
+
+
+def cached_call(model: torch.nn.Module, layers: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """One step of ``model`` with its past as flat tensors: ``(logits, *present)``.
+
+    The cache is a plain growing ``DynamicCache`` for every layer, sliding-window ones included
+    (the mask keeps their window): a window-sized cache would make the file's present shape
+    depend on the length, which one graph cannot express.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(layers):
+        cache.update(past[2 * i], past[2 * i + 1], i)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True)
+    return (out.logits, *_cache_tensors(out.past_key_values))
+
+
+@contextlib.contextmanager
+def cached_forward(model: torch.nn.Module, shape: DecoderShape) -> Iterator[torch.nn.Module]:
+    """``model`` whose forward takes the file's inputs positionally and returns its outputs as a
+    flat tuple, for as long as the block runs; the model keeps its module paths (the file's
+    weight names) and is left as it was."""
+    had = "forward" in vars(model)
+    saved = vars(model).get("forward")
+    layers = shape.layers
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cached_call(type(model).forward.__get__(model), layers, input_ids, attention_mask, position_ids, past)
+
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n.replace(".", "_"), inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in shape.input_names])
+    model.forward = forward
+    try:
+        yield model
+    finally:
+        if had:
+            model.forward = saved
+        else:
+            del model.forward
+
+
+def position_ids_for(attention_mask: Any, length: int) -> Any:
+    """Positions of the last ``length`` tokens as transformers' ``generate`` gives them: the
+    count of real tokens before each one (left padding skipped), 1 on padding."""
+    import numpy as np
+
+    positions = np.cumsum(attention_mask, axis=-1) - 1
+    positions[attention_mask == 0] = 1
+    return positions[:, -length:].astype(np.int64)
+
+
+def check_cache(model: torch.nn.Module, shape: DecoderShape, sample: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Run the model once on ``sample`` and refuse an attention whose cache the file cannot carry
+    as ``[batch, kv_heads, past + sequence, head_dim]`` keys and values per layer."""
+    batch, length = sample[0].shape
+    past = sample[3].shape[2]
+    try:
+        with torch.no_grad():
+            outputs = cached_call(model, shape.layers, *sample[:3], tuple(sample[3:]))
+    except ExportRefusedError as error:
+        raise ExportRefusedError(
+            f"{type(model).__name__}'s attention cannot be exported with a key/value cache: {error}; "
+            f"neither flavour can express it."
+        ) from error
+    except Exception as error:
+        raise ExportRefusedError(
+            f"{type(model).__name__} does not run with a past of plain key/value tensors "
+            f"({type(error).__name__}: {str(error).strip()[:200]}), so neither flavour can express its "
+            f"attention; nothing was written."
+        ) from error
+    expected = (batch, shape.kv_heads, past + length, shape.head_dim)
+    present = outputs[1:]
+    if len(present) != 2 * shape.layers or any(tuple(t.shape) != expected for t in present):
+        got = sorted({tuple(t.shape) for t in present})
+        raise ExportRefusedError(
+            f"{type(model).__name__}'s cache is not {shape.layers} layers of keys and values shaped "
+            f"[batch, kv_heads, past + sequence, head_dim] = {list(expected)} (it gave {len(present)} tensors "
+            f"shaped {got}); neither flavour can express that attention, and nothing was written."
+        )
+    return list(outputs)
