@@ -17,7 +17,7 @@ from pathlib import Path
 from onnxport._io import write_text_atomic
 
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo",
-              "dynamic_axes", "openvino", "sweep")
+              "dynamic_axes", "openvino", "sweep", "llm")
 HERE = Path(__file__).resolve().parent
 
 

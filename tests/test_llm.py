@@ -187,6 +187,7 @@ def test_int4_decoder_of_a_trained_model_generates_its_tokens(tmp_path):
     file = onnx.load_model(str(result), load_external_data=False)
     int4 = [t for t in file.graph.initializer if t.data_type == onnx.TensorProto.INT4]
     assert len(int4) == 2 * 7 + 1  # q/k/v/o, gate/up/down per layer, and the head
+    assert result.runtime_fusions.get("MatMulNBits") == len(int4)  # ONNX Runtime runs every one as MatMulNBits
 
     prompts = _sequences(4, 6, torch.Generator().manual_seed(5))
     truth = _sequences(4, 6 + 24, torch.Generator().manual_seed(5))

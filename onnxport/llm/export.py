@@ -7,11 +7,13 @@ import json
 import os
 import shutil
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 
 from .._io import check_output_path, staged_output, write_bytes_atomic
@@ -58,6 +60,8 @@ class DecoderFile:
         path: the ONNX decoder (its weights in ``<name>.data`` beside it when large).
         precision, flavour: as asked.
         fusions: the ONNX Runtime operators the ``'ort-cpu'`` flavour fused, by type.
+        runtime_fusions: int4/int8: the com.microsoft operators in the graph ONNX Runtime makes
+            of the file when it loads it (``MatMulNBits`` per quantized linear).
         agreement: the file's logits against the model's on the proof's prompts, at ONNX
             Runtime's unoptimised level (ONNX semantics), prefill and every decode step.
         deployed: the same at ONNX Runtime's default level, as a user's session runs the file.
@@ -74,6 +78,7 @@ class DecoderFile:
     flavour: str
     shape: DecoderShape
     fusions: dict[str, int] = field(default_factory=dict)
+    runtime_fusions: dict[str, int] = field(default_factory=dict)
     agreement: Report | None = None
     deployed: Report | None = None
     token_agreement: float = 1.0
@@ -91,6 +96,8 @@ class DecoderFile:
         lines = [
             f"{self.path} ({self.shape.model_type}, {self.shape.layers} layers, {self.precision}, {self.flavour})",
             f"  fused for ONNX Runtime: {fused}",
+            *([f"  ONNX Runtime runs: {', '.join(f'{k} {v}' for k, v in self.runtime_fusions.items())}"]
+              if self.runtime_fusions else []),
             f"  greedy tokens as the model's (default level): {self.token_agreement:.1%}",
         ]
         for label, report in (("unoptimised", self.agreement), ("default level", self.deployed)):
@@ -272,6 +279,7 @@ def export_decoder(
     file, folder = _output(output_path)
     model = load_causal_lm(model_or_folder)
     shape = decoder_shape(model)
+    model_name = type(model).__name__
     source_folder = Path(model_or_folder) if isinstance(model_or_folder, (str, os.PathLike)) else None
 
     with tqdm(total=6, desc="export_decoder", leave=False, disable=None) as bar:
@@ -286,6 +294,16 @@ def export_decoder(
                                                    symmetric=True, embeddings=False)
             weights = quantized_weights(reference_model)
             export_model = _export_copy(reference_model, weights)
+            if source_folder is not None:
+                # loaded here, so nobody else holds it: its float linear weights would otherwise
+                # stay in memory through the whole export (the weights file is mapped, and the
+                # tensors the quantized copy shares keep the whole mapping alive)
+                from ..qdq.weight_only import _return_freed_memory
+
+                _own_tensors(reference_model)
+                export_model = _export_copy(reference_model, weights)
+                model = None
+                _return_freed_memory()
         bar.update()
         sample = _sample(shape, batch=2, length=3, past=4, seed=0)
         with eval_mode(reference_model):
@@ -295,7 +313,7 @@ def export_decoder(
         if folder is not None:
             folder.mkdir(exist_ok=True)
         job = _Job(export_model, shape, sample, tokens, reference_logits, weights, precision, flavour,
-                   group_size, opset_version, type(model).__name__)
+                   group_size, opset_version, model_name)
         try:
             result = _write(job, file, bar, attention=True)
         except _RuntimeRefused as error:
@@ -313,6 +331,20 @@ def export_decoder(
             result.genai_config = _write_folder_extras(folder, file, shape, source_folder)
         bar.update()
     return result
+
+
+def _own_tensors(module: torch.nn.Module) -> None:
+    """Give every plain parameter and buffer of ``module`` its own memory (tied ones stay tied),
+    so nothing in it points into the storage of the model it was copied from."""
+    copies: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table, wrap in ((sub._parameters, lambda t: torch.nn.Parameter(t, requires_grad=False)), (sub._buffers, lambda t: t)):
+            for name, tensor in list(table.items()):
+                if tensor is None or type(tensor.data) is not torch.Tensor:
+                    continue  # torchao's quantized weights are tensor subclasses: already their own
+                if id(tensor) not in copies:
+                    copies[id(tensor)] = wrap(tensor.detach().clone())
+                table[name] = copies[id(tensor)]
 
 
 class _RuntimeRefused(ExportRefusedError):
@@ -429,8 +461,17 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
                     stacklevel=5,
                 )
 
+        def as_deployed(outputs: list, optimised: Path) -> None:
+            from ..qdq.weight_only import _warn_unfused
+
+            graph = onnx.load_model(str(optimised), load_external_data=False)
+            result.runtime_fusions = dict(Counter(n.op_type for n in graph.graph.node if n.domain == "com.microsoft"))
+            _warn_unfused(graph, weights)
+
         rules = ([integers] if weights else []) + [decoding]
-        pipeline.prove_file(staged, opset=job.opset_version, rules=rules)
+        # int4/int8: what ONNX Runtime made of the file (its MatMulNBits), read from its optimised
+        # graph; an fp32 file's would be a copy of every weight on disk, for nothing to count
+        pipeline.prove_file(staged, opset=job.opset_version, rules=rules, on_default_run=as_deployed if weights else None)
         bar.update()
     result.path = file
     return result
