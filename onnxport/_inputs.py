@@ -161,18 +161,26 @@ def positional_forward(model: torch.nn.Module, names: Sequence[str] | None) -> I
         yield model
         return
     names = tuple(names)
-    had = "forward" in vars(model)
-    saved = vars(model).get("forward")
     original = model.forward
 
     def forward(*inputs: torch.Tensor) -> Any:
         return original(**dict(zip(names, inputs)))
 
+    with forward_replaced(model, forward, names):
+        yield model
+
+
+@contextlib.contextmanager
+def forward_replaced(model: torch.nn.Module, forward: Callable[..., Any], names: Sequence[str]) -> Iterator[None]:
+    """``model.forward`` is ``forward``, taking ``names`` positionally, for as long as the block
+    runs (what torch.export captures); the model's own forward is back afterwards, as it was."""
+    had = "forward" in vars(model)
+    saved = vars(model).get("forward")
     forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
     model.forward = forward
     try:
-        yield model
+        yield
     finally:
         if had:
             model.forward = saved

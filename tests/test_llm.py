@@ -178,6 +178,7 @@ def _sequences(n: int, length: int, generator: torch.Generator) -> torch.Tensor:
     return (start + step * torch.arange(length)) % 32
 
 
+@pytest.mark.slow
 def test_int4_decoder_of_a_trained_model_generates_its_tokens(tmp_path):
     from onnxport.quantize.weight_only import quantize_weight_only
 

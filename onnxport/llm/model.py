@@ -4,7 +4,6 @@ the exporter captures (flat past key/values in, logits and flat present key/valu
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -190,24 +189,17 @@ def cached_forward(model: torch.nn.Module, shape: DecoderShape) -> Iterator[torc
     """``model`` whose forward takes the file's inputs positionally and returns its outputs as a
     flat tuple, for as long as the block runs; the model keeps its module paths (the file's
     weight names) and is left as it was."""
-    had = "forward" in vars(model)
-    saved = vars(model).get("forward")
+    from .._inputs import forward_replaced
+
     layers = shape.layers
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return cached_call(type(model).forward.__get__(model), layers, input_ids, attention_mask, position_ids, past)
 
-    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n.replace(".", "_"), inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in shape.input_names])
-    model.forward = forward
-    try:
+    # parameter names must be identifiers; the file's input names are given to the exporter
+    with forward_replaced(model, forward, [n.replace(".", "_") for n in shape.input_names]):
         yield model
-    finally:
-        if had:
-            model.forward = saved
-        else:
-            del model.forward
 
 
 def position_ids_for(attention_mask: Any, length: int) -> Any:
