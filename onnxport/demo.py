@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-from ._graph import opset_of
 from ._io import write_text_atomic
+from ._ir import opset_of
 
 CLASSES = ("disc", "square", "cross", "stripes", "ring")
 

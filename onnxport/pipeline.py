@@ -135,7 +135,7 @@ class Pipeline:
         source = _checks.source(model, self.scratch, "run.onnx")
         return [out for outs in _checks.run_batches(source, self.sizes(), optimized=optimized) for out in outs]
 
-    def start(self, produced: ir.Model, proofs: Iterable[Callable[[onnx.ModelProto], None]] = (),
+    def start(self, produced: ir.Model, proofs: Iterable[Callable[[ir.Model], None]] = (),
               *, keep_reference: bool = True) -> None:
         """Check the graph as the exporter produced it and keep it as the reference.
 
@@ -144,13 +144,12 @@ class Pipeline:
         ``keep_reference=False`` keeps no copy (for step lists with no identical-outputs step,
         where a copy would only cost the weights' size in memory): such a step then refuses.
         """
+        for proof in proofs:
+            proof(produced)
         if not keep_reference:
             self._no_reference = True
             return
-        proto = ir.to_proto(produced)
-        for proof in proofs:
-            proof(proto)
-        self._produced = proto
+        self._produced = ir.to_proto(produced)
 
     def _reference(self) -> list[np.ndarray]:
         if self.reference is None:

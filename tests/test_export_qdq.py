@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 import torch.nn as nn
@@ -95,7 +96,7 @@ def test_file_carries_the_model_scales_exactly(resnet_models, resnet_files):
     from onnxport.qdq.checks import file_qparams, model_qparams
 
     q, _ = resnet_models
-    assert file_qparams(onnx.load(str(resnet_files["int8"]))) == model_qparams(q)
+    assert file_qparams(ir.load(resnet_files["int8"])) == model_qparams(q)
 
 
 def test_uint8_is_byte_identical_to_int8_unoptimised(resnet_files):

@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from onnxport._checks import run
+from onnxport._ir import on_proto
 from onnxport.errors import ExportRefusedError
-from onnxport.passes._ir import on_proto
 from onnxport.passes.conv_kernel_shape import AddConvKernelShapePass
 from onnxport.passes.lower_opset import LowerOpsetPass
 from onnxport.passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass

@@ -8,9 +8,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxport._checks import check_identical_outputs, run
+from onnxport._ir import on_proto
 from onnxport.errors import ExportRefusedError
 from onnxport.passes import LowerOpsetPass
-from onnxport.passes._ir import on_proto
 
 
 def lower_opset(model, opset):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxport import qdq_report, qdq_stats
 from onnxport._checks import run
+from onnxport._ir import on_proto
 from onnxport.errors import ExportRefusedError, OnnxportError
 from onnxport.passes import (
     ActivationsToUint8Pass,
@@ -16,7 +18,6 @@ from onnxport.passes import (
     FoldWeightTransposePass,
     convs_missing_kernel_shape,
 )
-from onnxport.passes._ir import on_proto
 
 RNG = np.random.default_rng(0)
 
@@ -59,16 +60,16 @@ FEEDS = {"x": RNG.standard_normal((2, 3, 8, 8)).astype(np.float32)}
 # -- kernel_shape -------------------------------------------------------------------------------
 def test_kernel_shape_is_read_through_the_dq_chain():
     model = _qdq_conv_model()
-    assert convs_missing_kernel_shape(model.graph) == ["conv"]
+    assert convs_missing_kernel_shape(ir.from_proto(model).graph) == ["conv"]
     patched = on_proto(AddConvKernelShapePass(), model)
     conv = next(n for n in patched.graph.node if n.op_type == "Conv")
     assert helper.get_attribute_value(next(a for a in conv.attribute if a.name == "kernel_shape")) == [3, 3]
-    assert convs_missing_kernel_shape(patched.graph) == []
+    assert convs_missing_kernel_shape(ir.from_proto(patched).graph) == []
     onnx.checker.check_model(patched, full_check=True)
     # stripping it back changes nothing the runtime computes
     assert [o.tobytes() for o in run(patched, FEEDS, optimized=True)] == [o.tobytes() for o in run(model, FEEDS, optimized=True)]
     assert on_proto(AddConvKernelShapePass(), patched).SerializeToString() == patched.SerializeToString()  # idempotent
-    assert convs_missing_kernel_shape(model.graph) == ["conv"]  # input untouched
+    assert convs_missing_kernel_shape(ir.from_proto(model).graph) == ["conv"]  # input untouched
 
 
 def test_existing_kernel_shape_and_conv_transpose_are_left_alone():

@@ -17,8 +17,8 @@ from onnx import helper, numpy_helper
 from onnx_ir.passes.common import TopologicalSortPass
 from tqdm.auto import tqdm
 
-from .._graph import all_names, opset_of, tensor_value, unique_name, walk_graphs
-from .._io import ScratchTensors, check_external_data, external_source, read_onnx
+from .._io import ScratchTensors, check_external_data, external_folder, external_source, read_onnx, walk_graphs
+from .._ir import opset_of, unique_name
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
@@ -137,6 +137,21 @@ def _index(
     return info, readers, defined
 
 
+def _all_names(model: onnx.ModelProto) -> set[str]:
+    """Every value, node and initializer name used anywhere in the model."""
+    names: set[str] = set()
+    for graph in walk_graphs(model.graph):
+        names.update(t.name for t in graph.initializer)
+        names.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
+        for node in graph.node:
+            names.update(node.input)
+            names.update(node.output)
+            if node.name:
+                names.add(node.name)
+    names.discard("")
+    return names
+
+
 # -- force_activation_as -----------------------------------------------------------------------------
 def _force(entry: Encoding, how: str | None) -> Encoding:
     if how is None or not is_integer(entry.dtype):
@@ -195,7 +210,8 @@ def _constant_rows(tensor: onnx.TensorProto, base: Path | None) -> RowReader:
         return read
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         external_source(tensor, base)  # a named error when the data's folder is unknown
-    values = tensor_value(tensor, base).astype(np.float32, copy=False)
+    folder = external_folder(tensor, base) if tensor.data_location == onnx.TensorProto.EXTERNAL else None
+    values = numpy_helper.to_array(tensor, str(folder) if folder is not None else "").astype(np.float32, copy=False)
     return lambda a, b: values[a:b] if values.ndim else values
 
 
@@ -262,7 +278,7 @@ class _Rewriter:
         self.defined = defined
         self.base = base
         self.scratch = scratch
-        self.taken = all_names(model)
+        self.taken = _all_names(model)
         self.dead_constants: set[str] = set()
 
     def name(self, base: str) -> str:
@@ -507,7 +523,7 @@ def encodings_to_onnx_qdq(
     data = load_encodings(encodings)
     work, base = _load_model(model)  # names and shapes only: weights stay on disk
     # the whole file before the graph is touched; a name the model lacks is refused before values
-    parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=all_names(work))
+    parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=_all_names(work))
     _float_gate(work)
     info, readers, defined = _index(work)
     missing = sorted(e.name for e in parsed.entries if e.name not in info)

@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 import onnx.defs
 
-from .._graph import opset_of, walk_graphs
+from .._io import walk_graphs
+from .._ir import opset_of
 from .axes import TensorInfo
 from .formats import Encoding, ScaleMeta
 

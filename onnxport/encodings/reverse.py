@@ -10,9 +10,8 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._graph import all_constants, producers, tensor_value
+from .._ir import const_array, const_tensor, is_default, nodes, on_proto, read_model, read_values
 from ..errors import InvalidArgumentError
-from ..passes._ir import const_array, is_default, nodes, on_proto
 from ..qdq.view import qdq_nodes
 from .formats import DTYPES, layout_param
 
@@ -37,53 +36,44 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
     the converter recorded). Double-quantized scales come back as 2.1.0 meta encodings, and the
     file then says version 2.1.0. ``encodings_to_onnx_qdq`` of the result gives the same pairs.
     """
-    base = None
-    if isinstance(model, (str, os.PathLike)):
-        base = os.path.dirname(os.fspath(model))
-        from .._io import read_onnx
-
-        model = read_onnx(model, "model")
-    if not isinstance(model, onnx.ModelProto):
+    if not isinstance(model, (onnx.ModelProto, str, os.PathLike)):
         raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path, not {type(model).__name__}.")
-    consts = all_constants(model)
+    work, _ = read_model(model, "model")
     entries: list[dict] = []
     version = "2.0.0"
-    nodes = qdq_nodes(model, base)
-    per_graph: dict[int, tuple[dict, set[str], set[str]]] = {}
-    for q in nodes:
-        node, graph = q.node, q.graph
-        if id(graph) not in per_graph:
-            scale_inputs = {other.node.input[1] for other in nodes if other.graph is graph}
-            per_graph[id(graph)] = producers(graph), {o.name for o in graph.output}, scale_inputs
-        made_by, outputs, scale_inputs = per_graph[id(graph)]
-        if node.op_type != "DequantizeLinear" or node.output[0] in scale_inputs:
+    found = qdq_nodes(work)
+    scale_inputs = {q.node.inputs[1] for q in found if len(q.node.inputs) > 1}
+    for q in found:
+        node = q.node
+        if node.op_type != "DequantizeLinear" or q.output in scale_inputs:
             continue  # a scale's own dequantizer is part of the meta encoding it serves
-        source = made_by.get(node.input[0])
-        if node.doc_string.startswith(_MARK):
+        source = q.input.producer() if q.input is not None else None
+        if node.doc_string and node.doc_string.startswith(_MARK):
             name = node.doc_string[len(_MARK):]
         elif source is not None and source.op_type == "QuantizeLinear":
-            name = node.output[0] if node.output[0] in outputs else source.input[0]
+            name = q.output.name if q.output.is_graph_output() else source.inputs[0].name
         else:
-            name = node.input[0]
+            name = q.input.name
         if any(e["name"] == name for e in entries):
             continue  # a second DQ reader of the same quantized tensor
         entry: dict[str, Any] = {"name": name}
         zp = q.zero_point
         entry["output_dtype"] = _BY_ONNX_TYPE.get(q.dtype, "uint8")
-        scale_producer = made_by.get(node.input[1])
+        scale_producer = node.inputs[1].producer() if node.inputs[1] is not None else None
         if q.scale is not None:
             scale = q.scale_values()
             entry["y_scale"] = _plain(scale)
         elif scale_producer is not None and scale_producer.op_type == "DequantizeLinear":
             version = "2.1.0"
-            meta_attrs = {a.name: a.i for a in scale_producer.attribute}
+            meta_attrs = {k: a.value for k, a in scale_producer.attributes.items() if a.type == ir.AttributeType.INT}
+            x, x_scale = const_tensor(scale_producer.inputs[0]), const_tensor(scale_producer.inputs[1])
             meta: dict[str, Any] = {
-                "x": _plain(tensor_value(consts[scale_producer.input[0]], base)),
-                "x_scale": _plain(tensor_value(consts[scale_producer.input[1]], base)),
-                "input_dtype": _BY_ONNX_TYPE[consts[scale_producer.input[0]].data_type],
+                "x": _plain(read_values(x)),
+                "x_scale": _plain(read_values(x_scale)),
+                "input_dtype": _BY_ONNX_TYPE[int(x.dtype)],
             }
-            if len(scale_producer.input) > 2 and scale_producer.input[2]:
-                x_zp = tensor_value(consts[scale_producer.input[2]], base)
+            if len(scale_producer.inputs) > 2 and (x_zp_tensor := const_tensor(scale_producer.inputs[2])) is not None:
+                x_zp = read_values(x_zp_tensor)
                 if np.any(x_zp.astype(np.int64)):
                     meta["x_zero_point"] = _plain(x_zp)
             for key in ("axis", "block_size"):
@@ -92,11 +82,11 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
             entry["y_scale"] = meta
             scale = np.asarray(meta["x"])
         else:
-            raise InvalidArgumentError(f"The scale of DequantizeLinear '{node.name}' is computed at run time; it has no encoding.")
+            raise InvalidArgumentError(f"The scale of DequantizeLinear '{q.name}' is computed at run time; it has no encoding.")
         if zp is not None:
-            values = q.zero_point_values()
-            if DTYPES[entry["output_dtype"]].qmin is not None and np.any(values.astype(np.int64)):
-                entry["y_zero_point"] = _plain(values)
+            zero_points = q.zero_point_values()
+            if DTYPES[entry["output_dtype"]].qmin is not None and np.any(zero_points.astype(np.int64)):
+                entry["y_zero_point"] = _plain(zero_points)
         if q.block_size:
             entry["axis"] = q.axis
             entry["block_size"] = q.block_size

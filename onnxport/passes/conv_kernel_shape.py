@@ -7,19 +7,17 @@ and pooling are left as written.
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 
-from .._graph import is_default_domain
-from ._ir import constant_shape, is_default, nodes
+from .._ir import constant_shape, is_default, nodes
 
 
-def convs_missing_kernel_shape(graph: onnx.GraphProto) -> list[str]:
-    """Names of the Conv nodes without a ``kernel_shape`` attribute."""
+def convs_missing_kernel_shape(graph: ir.Graph) -> list[str]:
+    """Names of the Conv nodes of ``graph`` (not its bodies) without a ``kernel_shape`` attribute."""
     return [
-        n.name or n.output[0]
-        for n in graph.node
-        if n.op_type == "Conv" and is_default_domain(n) and not any(a.name == "kernel_shape" for a in n.attribute)
+        n.name or n.outputs[0].name
+        for n in graph
+        if n.op_type == "Conv" and is_default(n) and "kernel_shape" not in n.attributes
     ]
 
 

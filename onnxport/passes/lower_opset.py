@@ -17,9 +17,8 @@ import onnx.defs
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from .._graph import unique_name
+from .._ir import const_array, drop_unread_constants, is_default, taken_names, unique_name
 from ..errors import ExportRefusedError
-from ._ir import const_array, drop_unread_constants, is_default, taken_names
 
 _REDUCE_OPS = {
     "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",

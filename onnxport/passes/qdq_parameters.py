@@ -12,8 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._graph import unique_name
-from ._ir import const_array, is_default, nodes, taken_names
+from .._ir import const_array, is_default, nodes, taken_names, unique_name
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._graph import unique_name
+from .._ir import const_array, drop_unread_constants, is_default, nodes, taken_names, unique_name
 from ..errors import ExportRefusedError
-from ._ir import const_array, drop_unread_constants, is_default, nodes, taken_names
 
 
 def _refuse(what: str) -> ExportRefusedError:

@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import torch
 
-from .._graph import is_default_domain, walk_graphs
+from .._ir import graphs, is_default, label
 from ..errors import ExportRefusedError
 from .view import qdq_nodes
 
@@ -55,7 +56,7 @@ def model_qparams(model: torch.nn.Module) -> tuple[set[QParams], set[QParams]]:
     return activations, weights
 
 
-def file_qparams(model: onnx.ModelProto) -> tuple[set[QParams], set[QParams]]:
+def file_qparams(model: ir.Model) -> tuple[set[QParams], set[QParams]]:
     """The same two sets, read from an ONNX graph's QuantizeLinear and per-channel DequantizeLinear."""
     activations: set[QParams] = set()
     weights: set[QParams] = set()
@@ -66,15 +67,15 @@ def file_qparams(model: onnx.ModelProto) -> tuple[set[QParams], set[QParams]]:
         scale = values.astype(np.float32).reshape(-1)
         zp = q.zero_point_values().reshape(-1)
         if q.op_type == "QuantizeLinear" and scale.size == 1:
-            activations.add(("per_tensor", float(scale[0]), int(zp[0]), q.zero_point.data_type))
+            activations.add(("per_tensor", float(scale[0]), int(zp[0]), int(q.zero_point.dtype)))
         elif q.op_type == "DequantizeLinear" and values.ndim == 1:
             # a 1-D scale is per-axis even with one element (ECA's Conv1d(1, 1, k) weight)
             axis = q.attributes.get("axis", 1)
-            weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), axis, q.zero_point.data_type))
+            weights.add(("per_channel", tuple(scale.tolist()), tuple(int(z) for z in zp), axis, int(q.zero_point.dtype)))
     return activations, weights
 
 
-def check_faithful(produced: onnx.ModelProto, expected: tuple[set[QParams], set[QParams]]) -> None:
+def check_faithful(produced: ir.Model, expected: tuple[set[QParams], set[QParams]]) -> None:
     """Every scale, zero-point, type and axis of the model appears in the file, and nothing else."""
     got = file_qparams(produced)
     for kind, want, have in (("activation quantizer", expected[0], got[0]), ("per-channel weight", expected[1], got[1])):
@@ -87,13 +88,13 @@ def check_faithful(produced: onnx.ModelProto, expected: tuple[set[QParams], set[
             )
 
 
-def check_standard_qdq(produced: onnx.ModelProto) -> None:
+def check_standard_qdq(produced: ir.Model) -> None:
     """Q/DQ must be the standard ONNX operators, and no custom domain may remain."""
-    for graph in walk_graphs(produced.graph):
-        for node in graph.node:
-            if not is_default_domain(node):
+    for graph in graphs(produced):
+        for node in graph:
+            if not is_default(node):
                 raise ExportRefusedError(
-                    f"The exported graph has a {node.domain}::{node.op_type} node ('{node.name}'), not a standard "
+                    f"The exported graph has a {node.domain}::{node.op_type} node ('{label(node)}'), not a standard "
                     f"ONNX operator; nothing was kept."
                 )
 

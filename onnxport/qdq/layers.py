@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
-from .._graph import all_constants, producers
+from .._ir import const_tensor, read_model
 from ..compare import OutputResult, Report
 from ..errors import InvalidArgumentError
 from .view import QDQNode, qdq_nodes
@@ -165,12 +166,14 @@ class LayerReport(Report):
 # -- the file's side ------------------------------------------------------------------------------------
 @dataclass
 class _FileAnchor:
-    q_node: onnx.NodeProto
+    q_input: str  # the tensor the QuantizeLinear reads
+    q_output: str
+    layer: tuple[str, str]  # (name, op type) of the node computing q_input; (q_input, 'input') for a graph input
     index: int
     scale: float
     zero_point: int
     dtype: int
-    readers: list[tuple[int, onnx.NodeProto, float, int]]  # (index, DQ node, its scale, its zero-point)
+    readers: list[tuple[int, str, str, float, int]]  # (index, DQ output, DQ name, its scale, its zero-point)
     segment: tuple[str, ...]
     reads: frozenset[str]  # the dequantized tensors the layer before this quantizer reads
 
@@ -181,47 +184,48 @@ def _qparams(q: QDQNode) -> tuple[np.ndarray | None, int, int]:
     zp = q.zero_point_values()
     if zp is None:
         return scale, 0, onnx.TensorProto.UINT8
-    return scale, int(np.asarray(zp).reshape(-1)[0]), q.zero_point.data_type
+    return scale, int(np.asarray(zp).reshape(-1)[0]), int(q.zero_point.dtype)
 
 
-def _file_anchors(model: onnx.ModelProto, base: str | None) -> list[_FileAnchor]:
+def _file_anchors(model: ir.Model) -> list[_FileAnchor]:
     graph = model.graph
-    consts = all_constants(model)
-    made_by = producers(graph)
-    order = {id(node): index for index, node in enumerate(graph.node)}
+    order = {id(node): index for index, node in enumerate(graph)}
     anchors: dict[str, _FileAnchor] = {}
-    for q in qdq_nodes(model, base):
-        if q.graph is not graph:
+    for q in qdq_nodes(model):
+        if q.graph is not graph or q.input is None:
             continue  # bodies are compared through their If/Loop node's outputs
-        node, index = q.node, order[id(q.node)]
+        index = order[id(q.node)]
         if q.op_type == "QuantizeLinear" and q.kind == "activation":
             scale, zp, dtype = _qparams(q)
             if scale is None or np.size(scale) != 1:
                 continue  # a per-channel activation quantizer: compared as an output only
-            anchors[node.output[0]] = _FileAnchor(node, index, float(np.asarray(scale).reshape(())), zp, dtype,
-                                                  [], *_segment(node.input[0], made_by, consts))
-        elif q.op_type == "DequantizeLinear" and node.input[0] in anchors:
+            producer = q.input.producer()
+            layer = (producer.name, producer.op_type) if producer is not None else (q.input.name, "input")
+            anchors[q.output.name] = _FileAnchor(q.input.name, q.output.name, layer, index,
+                                                 float(np.asarray(scale).reshape(())), zp, dtype, [], *_segment(q.input))
+        elif q.op_type == "DequantizeLinear" and q.input.name in anchors:
             scale, zp, _ = _qparams(q)
-            anchors[node.input[0]].readers.append((index, node, float(np.asarray(scale).reshape(-1)[0]), zp))
+            anchors[q.input.name].readers.append(
+                (index, q.output.name, q.node.name or q.output.name, float(np.asarray(scale).reshape(-1)[0]), zp))
     return list(anchors.values())
 
 
-def _segment(name: str, made_by: dict[str, onnx.NodeProto], consts: dict) -> tuple[tuple[str, ...], frozenset[str]]:
-    """The float ops that compute ``name`` from the dequantized tensors before it, and those tensors."""
+def _segment(value: ir.Value) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The float ops that compute ``value`` from the dequantized tensors before it, and those tensors."""
     found: list[str] = []
     reads: set[str] = set()
-    frontier, seen = [name], set()
+    frontier, seen = [value], set()
     while frontier:
         current = frontier.pop()
-        if current in seen or current in consts or current not in made_by:
+        if current is None or id(current) in seen or const_tensor(current) is not None or current.producer() is None:
             continue
-        seen.add(current)
-        node = made_by[current]
+        seen.add(id(current))
+        node = current.producer()
         if node.op_type in ("DequantizeLinear", "QuantizeLinear"):
-            reads.add(current)
+            reads.add(current.name)
             continue
-        found.append(f"{node.op_type} '{node.name or node.output[0]}'")
-        frontier.extend(i for i in node.input if i)
+        found.append(f"{node.op_type} '{node.name or node.outputs[0].name}'")
+        frontier.extend(i for i in node.inputs if i is not None)
     return tuple(reversed(found)), frozenset(reads)
 
 
@@ -395,7 +399,7 @@ def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
     matched: dict[int, _TorchAnchor | None] = {}
 
     for f in file_anchors:
-        shape = file_shapes.get(f.q_node.output[0])
+        shape = file_shapes.get(f.q_output)
         tied = [t for t in free if _same_qparams(f.scale, f.zero_point, f.dtype, t)
                 and shape in torch_shapes.get(t.node.name, ())]
         pick = tied[0] if tied else None
@@ -408,7 +412,7 @@ def _match(file_anchors: list[_FileAnchor], torch_anchors: list[_TorchAnchor],
     for position, f in enumerate(file_anchors):
         if matched[f.index] is not None:
             continue
-        shape = file_shapes.get(f.q_node.output[0])
+        shape = file_shapes.get(f.q_output)
         candidates = [t for t in free if shape in torch_shapes.get(t.node.name, ())]
         if candidates:
             pick = min(candidates, key=lambda t: abs(torch_anchors.index(t) / n_torch - position / n_file))
@@ -453,10 +457,9 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
     from .verify import _split
 
     file_model = read_onnx(onnx_path, "onnx_path", load_external_data=True)  # the probe copy runs from memory
-    base = None
     _, batches, _ = _split(model, sample, n_batches, file_model)
     if optimized:
-        return _compare_optimized(file_model, batches, base)
+        return _compare_optimized(file_model, batches)
     from .._torch import require_module
 
     require_module(model)
@@ -465,10 +468,11 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
             f"compare_layers needs the pt2e-quantized GraphModule the file came from, not a "
             f"{type(model).__name__}: pass the model Quantizer(backend='pt2e').quantize returned."
         )
-    file_anchors = _file_anchors(file_model, base)
+    view, _ = read_model(file_model)
+    file_anchors = _file_anchors(view)
     torch_anchors = _torch_anchors(model)
-    wanted = [a.q_node.input[0] for a in file_anchors] + [a.q_node.output[0] for a in file_anchors]
-    wanted += [r[1].output[0] for a in file_anchors for r in a.readers]
+    wanted = [a.q_input for a in file_anchors] + [a.q_output for a in file_anchors]
+    wanted += [r[1] for a in file_anchors for r in a.readers]
     got = _run_file(file_model, wanted, batches)
     ref = _run_torch(model, torch_anchors, batches)
 
@@ -476,12 +480,12 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
         parts = [np.asarray(r[key] if part is None else r[key][part]) for r in runs]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    file_shapes = {a.q_node.output[0]: tuple(np.shape(got[0][a.q_node.output[0]])[1:]) for a in file_anchors}
+    file_shapes = {a.q_output: tuple(np.shape(got[0][a.q_output])[1:]) for a in file_anchors}
     full = {t.node.name: tuple(np.shape(ref[0][t.node.name][1])[1:]) for t in torch_anchors}
     torch_shapes = {t.node.name: {full[t.node.name], _unpadded_shape(full[t.node.name], t.pad)} for t in torch_anchors}
     def distance(f: _FileAnchor, t: _TorchAnchor) -> float:
         """Mean distance in steps between the file's and the model's integers (first batch)."""
-        mine, theirs = np.asarray(got[0][f.q_node.output[0]]), np.asarray(ref[0][t.node.name][1])
+        mine, theirs = np.asarray(got[0][f.q_output]), np.asarray(ref[0][t.node.name][1])
         if mine.shape != theirs.shape and t.pad:  # the file quantizes the region a zero pad surrounds
             theirs = _unpad(theirs, t.pad)
         if mine.shape != theirs.shape:
@@ -491,27 +495,24 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
     matched = _match(file_anchors, torch_anchors, file_shapes, torch_shapes, distance)
     for f in file_anchors:  # a file that moved a zero pad into its Conv quantizes the unpadded tensor
         t = matched[f.index]
-        if t is not None and file_shapes[f.q_node.output[0]] != full[t.node.name]:
+        if t is not None and file_shapes[f.q_output] != full[t.node.name]:
             for run in ref:
                 run[t.node.name] = tuple(_unpad(v, t.pad) for v in run[t.node.name])
     isolated = _isolated_run(file_model, file_anchors, matched, batches, ref)
     rows: list[LayerRow] = []
-    made_by = producers(file_model.graph)
     for f in file_anchors:
         t = matched[f.index]
-        producer = made_by.get(f.q_node.input[0])
-        layer_name = producer.name if producer is not None else f.q_node.input[0]
-        layer_op = producer.op_type if producer is not None else "input"
-        shape = file_shapes[f.q_node.output[0]]
+        layer_name, layer_op = f.layer
+        shape = file_shapes[f.q_output]
         if t is None:
             rows.append(LayerRow(f.index, "layer", layer_name, layer_op, None, shape, float("nan"), None, float("nan"),
                                  0, f.scale, "structure", f.segment, "the model has no quantizer of this shape here"))
             continue
         qparams_ok = _same_qparams(f.scale, f.zero_point, f.dtype, t)
-        x_file, x_model = joined(got, f.q_node.input[0]), joined(ref, t.node.name, 0)
+        x_file, x_model = joined(got, f.q_input), joined(ref, t.node.name, 0)
         max_abs, cosine, n_off = _metrics(x_file, x_model)
         steps = max_abs / t.scale
-        alone = _metrics(joined(isolated, f.q_node.input[0]), x_model)[0] / t.scale if isolated else None
+        alone = _metrics(joined(isolated, f.q_input), x_model)[0] / t.scale if isolated else None
         if not qparams_ok:
             cause, note = "qparams", (f"QuantizeLinear scale {f.scale:.6g} / zero-point {f.zero_point}, the model's "
                                       f"{t.scale:.6g} / {t.zero_point}")
@@ -524,8 +525,8 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
         rows.append(LayerRow(f.index, "layer", layer_name, layer_op, t.source, shape, max_abs, steps, cosine, n_off,
                              t.scale, cause, f.segment, note, alone))
         dq_model = _dequantize(joined(ref, t.node.name, 1), t.scale, t.zero_point)
-        for index, reader, scale, zp in f.readers:
-            out_file = joined(got, reader.output[0])
+        for index, reader, reader_name, scale, zp in f.readers:
+            out_file = joined(got, reader)
             max_abs, cosine, n_off = _metrics(out_file, dq_model)
             steps = max_abs / t.scale
             reader_ok = _same_qparams(scale, zp, f.dtype, t)
@@ -535,9 +536,9 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
                 cause, note = "propagated", "its quantizer's input differs: see the layer row before it"
             else:
                 cause, note = ("rounding" if n_off else None), ""
-            rows.append(LayerRow(index, "dequantize", reader.name or reader.output[0], "DequantizeLinear", t.node.name,
+            rows.append(LayerRow(index, "dequantize", reader_name, "DequantizeLinear", t.node.name,
                                  shape, max_abs, steps, cosine, n_off, t.scale, cause, (), note))
-    outputs = _output_rows(file_model, got, ref, joined, base, isolated)
+    outputs = _output_rows(view, got, ref, joined, isolated)
     rows += [row for _, row in outputs]
     rows.sort(key=lambda r: (r.index, r.kind != "layer"))
     over = next((r for r in rows if r.error_in_steps is not None and r.error_in_steps > _ONE_STEP), None)
@@ -555,40 +556,39 @@ def _isolated_run(file_model: onnx.ModelProto, anchors: list[_FileAnchor], match
         t = matched[f.index]
         if t is None:
             continue
-        for _, reader, _, _ in f.readers:
-            new = f"{reader.output[0]}__from_model"
-            cuts[reader.output[0]] = new
+        for _, reader, _, _, _ in f.readers:
+            new = f"{reader}__from_model"
+            cuts[reader] = new
             for number, run in enumerate(ref):
                 feeds[number][new] = _dequantize(run[t.node.name][1], t.scale, t.zero_point)
     if not cuts:
         return None
-    wanted = [a.q_node.input[0] for a in anchors] + [o.name for o in file_model.graph.output]
+    wanted = [a.q_input for a in anchors] + [o.name for o in file_model.graph.output]
     return _run_file(_cut_at(file_model, cuts), wanted, batches, feeds)
 
 
-def _output_rows(file_model: onnx.ModelProto, got: list, ref: list, joined: Any, base: str | None,
+def _output_rows(view: ir.Model, got: list, ref: list, joined: Any,
                  isolated: list | None) -> list[tuple[str, LayerRow]]:
     """Per graph output that the model also gives: its name and its row."""
     from .verify import _output_scale
 
     rows = []
-    made_by = producers(file_model.graph)
-    order = {id(n): i for i, n in enumerate(file_model.graph.node)}
-    for position, output in enumerate(file_model.graph.output):
+    order = {id(n): i for i, n in enumerate(view.graph)}
+    for position, output in enumerate(view.graph.outputs):
         values = joined(got, output.name)
         model_values = np.concatenate([r["__outputs__"][position] for r in ref]) if position < len(ref[0]["__outputs__"]) else None
-        node = made_by.get(output.name)
+        node = output.producer()
         if model_values is None or model_values.shape != values.shape:
             continue
         max_abs, cosine, n_off = _metrics(values, model_values)
-        scale = _output_scale(file_model, output.name, base)
+        scale = _output_scale(view, output.name)
         steps = max_abs / scale if scale else None
         alone_abs = _metrics(joined(isolated, output.name), model_values)[0] if isolated else max_abs
 
         limit = scale * _ONE_STEP if scale else 1e-4 * max(1.0, float(np.abs(model_values).max()))
         cause = ("float_kernel" if alone_abs > limit else "propagated" if max_abs > limit else "rounding" if n_off else None)
         rows.append((output.name, LayerRow(
-            order.get(id(node), len(file_model.graph.node)), "output", node.name if node is not None else output.name,
+            order.get(id(node), len(view.graph)), "output", node.name if node is not None else output.name,
             node.op_type if node is not None else "output", "output", tuple(values.shape[1:]), max_abs, steps,
             cosine, n_off, scale, cause, (), "graph output")))
     return rows
@@ -611,11 +611,11 @@ def _first_divergence(rows: list[LayerRow]) -> LayerRow | None:
     return None
 
 
-def _compare_optimized(file_model: onnx.ModelProto, batches: list[tuple], base: str | None) -> LayerReport:
+def _compare_optimized(file_model: onnx.ModelProto, batches: list[tuple]) -> LayerReport:
     """ONNX Runtime's optimised graph against the unoptimised one, at every surviving quantized tensor."""
     import onnxruntime as ort
 
-    anchors = _file_anchors(file_model, base)
+    anchors = _file_anchors(read_model(file_model)[0])
     with tempfile.TemporaryDirectory() as scratch:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -623,15 +623,14 @@ def _compare_optimized(file_model: onnx.ModelProto, batches: list[tuple], base: 
         options.log_severity_level = 3
         ort.InferenceSession(file_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         optimised = onnx.load_model(options.optimized_model_filepath)
-    produced = {o for n in optimised.graph.node for o in n.output}
-    surviving = [a for a in anchors if a.q_node.output[0] in produced]
-    names = [a.q_node.output[0] for a in surviving]
+    made_by = {v.name: n for n in read_model(optimised)[0].graph for v in n.outputs}
+    surviving = [a for a in anchors if a.q_output in made_by]
+    names = [a.q_output for a in surviving]
     plain = _run_file(file_model, names, batches)
     fused = _run_file(optimised, names, batches)
-    made_by = producers(optimised.graph)
     rows = []
     for a in surviving:
-        name = a.q_node.output[0]
+        name = a.q_output
         q_plain = np.concatenate([r[name] for r in plain]).astype(np.int64)
         q_fused = np.concatenate([r[name] for r in fused]).astype(np.int64)
         diff = np.abs(q_plain - q_fused)

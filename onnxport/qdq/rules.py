@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from .._cpu import PORTABLE_WEIGHT_RANGE, WEIGHT_RANGE_KEY
-from .._graph import all_constants, consumers, is_default_domain, opset_of, tensor_value, walk_graphs
+from .._ir import const_tensor, graphs, is_default, opset_of, read_model, read_values
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from ..targets import TARGETS, get_target
@@ -20,8 +20,8 @@ from ..targets._base import U16 as _U16
 from .view import qdq_nodes
 
 
-def _label(node: onnx.NodeProto) -> str:
-    return f"{node.op_type} '{node.name or node.output[0]}'"
+def _label(node: ir.Node) -> str:
+    return f"{node.op_type} '{node.name or node.outputs[0].name}'"
 
 
 def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) -> list[str]:
@@ -35,19 +35,13 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     """
     record = get_target(check_choice(target, TARGETS, "target"))
     rules, consumer = record.rules, record.consumer
-    if isinstance(onnx_path, onnx.ModelProto):
-        model, base = onnx_path, None
-    else:
-        from .._io import read_onnx
-
-        model, base = read_onnx(onnx_path, "onnx_path"), Path(onnx_path).parent
-    consts = all_constants(model)
+    model, _ = read_model(onnx_path)
     opset = opset_of(model)
     problems: list[str] = []
     activation_types: Counter[int] = Counter()
     weight_inputs = _weight_inputs(model)
     portable = rules.portable_weights and file_weight_range(model) != "full"
-    for q in qdq_nodes(model, base):
+    for q in qdq_nodes(model):
         zp, dtype = q.zero_point_values(), q.dtype if q.zero_point is not None else None
         label = _label(q.node)
         if q.kind == "activation" and dtype is not None:
@@ -61,7 +55,7 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
         # A weight is a dequantized constant that a Conv/Gemm/MatMul reads as its weight. Other
         # constant pairs (a position table or mask the exporter folded, quantized with the
         # activation spec) follow neither the weight rules nor the activation ones.
-        is_weight = q.kind == "constant" and q.op_type == "DequantizeLinear" and q.node.output[0] in weight_inputs
+        is_weight = q.kind == "constant" and q.op_type == "DequantizeLinear" and q.output in weight_inputs
         if not is_weight or dtype is None:
             continue
         if rules.weight_type is not None and dtype != rules.weight_type:
@@ -75,12 +69,12 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
             f"without VNNI, {consumer}'s U8S8 kernels add two products in a saturating int16 and compute "
             f"something else. Quantize with weight_range='portable' (the default), or record weight_range='full' "
             f"for a deployment known to have VNNI/AMX."
-            for label, low, high in weights_beyond_portable(model, base)
+            for label, low, high in weights_beyond_portable(model)
         ]
     if rules.max_opset is not None and opset > rules.max_opset:
         problems.append(f"the file declares opset {opset}; export at opset {rules.max_opset} for {consumer}'s parser.")
     if rules.needs_kernel_shape:
-        for graph in walk_graphs(model.graph):
+        for graph in graphs(model):
             problems += [f"Conv '{n}' has no kernel_shape, which {consumer}'s parser needs."
                          for n in convs_missing_kernel_shape(graph)]
     if rules.activation_types is not None:
@@ -93,60 +87,63 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
     if activation_types[_U16] and opset < rules.opset_16bit:
         problems.append(f"uint16 activations need opset {rules.opset_16bit}, and the file declares {opset}.")
     if rules.relu_range_from_zero:
-        problems += _ort_unfoldable_relus(model, consts, base)
+        problems += _ort_unfoldable_relus(model)
     return problems
 
 
 PORTABLE_LOW, PORTABLE_HIGH = PORTABLE_WEIGHT_RANGE
 
 
-def file_weight_range(model: onnx.ModelProto) -> str | None:
+def file_weight_range(model: ir.Model | onnx.ModelProto) -> str | None:
     """The ``weight_range`` a file records (``'portable'`` or ``'full'``), ``None`` when it records none."""
+    if isinstance(model, ir.Model):
+        return model.metadata_props.get(WEIGHT_RANGE_KEY)
     return next((p.value for p in model.metadata_props if p.key == WEIGHT_RANGE_KEY), None)
 
 
-def weights_beyond_portable(model: onnx.ModelProto, base: Path | None, nodes: list | None = None) -> list[tuple[str, int, int]]:
+def weights_beyond_portable(model: ir.Model, nodes: list | None = None) -> list[tuple[str, int, int]]:
     """(DequantizeLinear, lowest, highest) of every int8 weight a Conv/Gemm/MatMul reads whose
     integers leave [-64, 64]: the pairs that x86 U8S8 kernels without VNNI may saturate on."""
     weight_inputs = _weight_inputs(model)
-    consts = all_constants(model)
     found = []
-    for q in qdq_nodes(model, base) if nodes is None else nodes:
-        if q.op_type != "DequantizeLinear" or q.node.output[0] not in weight_inputs or q.node.input[0] not in consts:
+    for q in qdq_nodes(model) if nodes is None else nodes:
+        if q.op_type != "DequantizeLinear" or q.output not in weight_inputs:
             continue
-        tensor = consts[q.node.input[0]]
-        if tensor.data_type != _I8:
+        tensor = const_tensor(q.input)
+        if tensor is None or tensor.dtype != _I8:
             continue
-        values = tensor_value(tensor, base)
-        low, high = int(values.min(initial=0)), int(values.max(initial=0))
+        integers = read_values(tensor)
+        low, high = int(integers.min(initial=0)), int(integers.max(initial=0))
         if low < PORTABLE_LOW or high > PORTABLE_HIGH:
             found.append((_label(q.node), low, high))
     return found
 
 
-def _weight_inputs(model: onnx.ModelProto) -> set[str]:
+def _weight_inputs(model: ir.Model) -> set[ir.Value]:
     """Values read as the weight (input 1) of a Conv, ConvTranspose, Gemm or MatMul."""
     return {
-        node.input[1]
-        for graph in walk_graphs(model.graph)
-        for node in graph.node
-        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and is_default_domain(node) and len(node.input) > 1
+        node.inputs[1]
+        for graph in graphs(model)
+        for node in graph
+        if node.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul") and is_default(node) and len(node.inputs) > 1
+        and node.inputs[1] is not None
     }
 
 
-def _ort_unfoldable_relus(model: onnx.ModelProto, consts: dict, base: Path | None) -> list[str]:
+def _ort_unfoldable_relus(model: ir.Model) -> list[str]:
     problems = []
-    for graph in walk_graphs(model.graph):
-        readers = consumers(graph)
-        for node in graph.node:
-            if node.op_type not in ("Relu", "Clip") or not is_default_domain(node):
+    for graph in graphs(model):
+        for node in graph:
+            if node.op_type not in ("Relu", "Clip") or not is_default(node):
                 continue
-            for q in readers.get(node.output[0], []):
-                if q.op_type != "QuantizeLinear" or len(q.input) < 3 or q.input[2] not in consts:
+            for q, _ in node.outputs[0].uses():
+                if q.op_type != "QuantizeLinear" or len(q.inputs) < 3:
                     continue
-                tensor = consts[q.input[2]]
-                zp = tensor_value(tensor, base)
-                lowest = np.iinfo(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).min
+                tensor = const_tensor(q.inputs[2])
+                if tensor is None:
+                    continue
+                zp = read_values(tensor)
+                lowest = np.iinfo(tensor.dtype.numpy()).min
                 if np.any(zp != lowest):
                     problems.append(
                         f"{_label(node)} feeds {_label(q)} whose range does not start at 0 (zero-point "

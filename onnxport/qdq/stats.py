@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
-from .._graph import all_constants, consumers, is_default_domain, opset_of, producers, walk_graphs
+from .._ir import const_tensor, graphs, is_default, label, opset_of, read_model
 from ..errors import InvalidArgumentError
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from .view import QDQNode, qdq_nodes
@@ -52,29 +53,20 @@ class QDQStats:
         return asdict(self)
 
 
-def _load(onnx_path: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, Path | None]:
-    if isinstance(onnx_path, onnx.ModelProto):
-        return onnx_path, None
-    from .._io import read_onnx
-
-    return read_onnx(onnx_path, "onnx_path"), Path(onnx_path).parent
+def _producer(value: ir.Value | None) -> ir.Node | None:
+    return None if value is None else value.producer()
 
 
-def _name(node: onnx.NodeProto) -> str:
-    return node.name or f"{node.op_type}->{node.output[0]}"
-
-
-def _conv_add_edges(graph: onnx.GraphProto) -> int:
-    made_by = producers(graph)
-    readers = consumers(graph)
+def _conv_add_edges(graph: ir.Graph) -> int:
     count = 0
-    for add in graph.node:
-        if add.op_type != "Add" or not is_default_domain(add):
+    for add in graph:
+        if add.op_type != "Add" or not is_default(add):
             continue
-        for name in add.input:
-            node = made_by.get(name)
-            while node is not None and node.op_type in _EPILOGUES and node.input and len(readers.get(node.output[0], [])) == 1:
-                node = made_by.get(node.input[0])
+        for value in add.inputs:
+            node = _producer(value)
+            while (node is not None and node.op_type in _EPILOGUES and node.inputs
+                   and len(node.outputs[0].uses()) == 1):
+                node = _producer(node.inputs[0])
             if node is not None and node.op_type == "Conv":
                 count += 1
     return count
@@ -85,16 +77,19 @@ def qdq_stats(onnx_path: str | os.PathLike | onnx.ModelProto) -> QDQStats:
 
     Only the small scale and zero-point tensors are read; weights in external data stay on disk.
     """
-    return _stats(*_load(onnx_path))
+    return _stats(read_model(onnx_path)[0])
 
 
-def _stats(model: onnx.ModelProto, base: Path | None, nodes: list[QDQNode] | None = None) -> QDQStats:
+def _stats(model: ir.Model, nodes: list[QDQNode] | None = None) -> QDQStats:
     counts = Counter()
-    nodes = qdq_nodes(model, base) if nodes is None else nodes
+    nodes = qdq_nodes(model) if nodes is None else nodes
     for q in nodes:
         counts["q" if q.op_type == "QuantizeLinear" else "dq"] += 1
         if q.scale is None:
-            raise InvalidArgumentError(f"Cannot read the scale of node '{q.name}': '{q.node.input[1]}' is not a graph constant.")
+            scale = q.node.inputs[1] if len(q.node.inputs) > 1 else None
+            raise InvalidArgumentError(
+                f"Cannot read the scale of node '{q.name}': '{scale.name if scale is not None else ''}' is not a graph constant."
+            )
         counts["per_channel"] += q.per_channel
         counts["blocked"] += bool(q.block_size)
         counts["int4"] += q.int4
@@ -103,10 +98,10 @@ def _stats(model: onnx.ModelProto, base: Path | None, nodes: list[QDQNode] | Non
                 raise InvalidArgumentError(
                     f"Cannot read the zero_point of node '{q.name}': '{q.zero_point_input}' is not a graph constant."
                 )
-            counts["uint8"] += q.zero_point.data_type == onnx.TensorProto.UINT8
+            counts["uint8"] += q.zero_point.dtype == ir.DataType.UINT8
             counts["nonzero"] += bool(np.any(q.zero_point_values() != 0))
     # a float graph has no "unquantized" edges, only float ones
-    conv_add = sum(_conv_add_edges(graph) for graph in walk_graphs(model.graph)) if nodes else 0
+    conv_add = sum(_conv_add_edges(graph) for graph in graphs(model)) if nodes else 0
     return QDQStats(
         counts["q"], counts["dq"], counts["per_channel"], counts["nonzero"], conv_add, counts["uint8"],
         counts["blocked"], counts["int4"],
@@ -195,17 +190,18 @@ class QDQReport:
         return "\n".join(lines)
 
 
-def _why_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], consts: dict[str, onnx.TensorProto]) -> str | None:
-    def dequantized(name: str) -> bool:
-        producer = made_by.get(name)
-        return producer is not None and producer.op_type == "DequantizeLinear"
+def _dequantized(value: ir.Value | None) -> bool:
+    producer = _producer(value)
+    return producer is not None and producer.op_type == "DequantizeLinear"
 
-    if not dequantized(node.input[0]):
-        if len(node.input) > 1 and dequantized(node.input[1]):
+
+def _why_float(node: ir.Node) -> str | None:
+    if not _dequantized(node.inputs[0]):
+        if len(node.inputs) > 1 and _dequantized(node.inputs[1]):
             return "weight-only: its weight is dequantized, its input stays float"
         return "its input is not dequantized"
-    if len(node.input) > 1 and not dequantized(node.input[1]):
-        if node.op_type == "MatMul" and node.input[1] not in consts:
+    if len(node.inputs) > 1 and not _dequantized(node.inputs[1]):
+        if node.op_type == "MatMul" and node.inputs[1] is not None and node.inputs[1].const_value is None:
             return "its second input is not dequantized"
         return "its weight is not dequantized"
     return None
@@ -214,16 +210,15 @@ def _why_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto], consts:
 _ELEMENTWISE = ("Add", "Mul")
 
 
-def _why_elementwise_float(node: onnx.NodeProto, made_by: dict[str, onnx.NodeProto],
-                           consts: dict[str, onnx.TensorProto]) -> str | None:
+def _why_elementwise_float(node: ir.Node) -> str | None:
     """Why an Add/Mul does not run between pairs (ORT's QLinearAdd/QLinearMul need a DQ on both
     operands), or None when it does."""
     reasons = []
-    for name in node.input[:2]:
-        producer = made_by.get(name)
+    for value in node.inputs[:2]:
+        producer = _producer(value)
         if producer is not None and producer.op_type == "DequantizeLinear":
             continue
-        if name in consts or (producer is not None and producer.op_type == "Constant"):
+        if const_tensor(value) is not None or (producer is not None and producer.op_type == "Constant"):
             reasons.append("a float constant operand")
         elif producer is None:
             reasons.append("a float graph input")
@@ -242,33 +237,31 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     counts the Add/Mul left float and why (a float constant operand, an operand from a float op
     such as LayerNormalization): ONNX Runtime runs one in INT8 only with a pair on both operands.
     """
-    model, base = _load(onnx_path)
-    nodes = qdq_nodes(model, base)
-    stats = _stats(model, base, nodes)
+    model, _ = read_model(onnx_path)
+    nodes = qdq_nodes(model)
+    stats = _stats(model, nodes)
     ops: list[ComputeOp] = []
     zp_types: Counter[str] = Counter()
     missing: list[str] = []
-    consts = all_constants(model)
     kept_float: Counter[str] = Counter()
-    for graph in walk_graphs(model.graph):
-        made_by = producers(graph)
-        for node in graph.node:
-            if not is_default_domain(node):
+    for graph in graphs(model):
+        for node in graph:
+            if not is_default(node):
                 continue
             if node.op_type in _COMPUTE_OPS:
-                why = _why_float(node, made_by, consts)
-                ops.append(ComputeOp(_name(node), node.op_type, why is None, why))
-            elif node.op_type in _ELEMENTWISE and (why := _why_elementwise_float(node, made_by, consts)):
+                why = _why_float(node)
+                ops.append(ComputeOp(label(node), node.op_type, why is None, why))
+            elif node.op_type in _ELEMENTWISE and (why := _why_elementwise_float(node)):
                 kept_float[f"{node.op_type}: {why}"] += 1
         missing += convs_missing_kernel_shape(graph)
     for q in nodes:
         if q.zero_point is not None:
-            zp_types[onnx.helper.tensor_dtype_to_np_dtype(q.zero_point.data_type).name] += 1
+            zp_types[onnx.helper.tensor_dtype_to_np_dtype(int(q.zero_point.dtype)).name] += 1
     opset = opset_of(model)
-    extra: dict[str, Any] = {"float_elementwise": dict(kept_float.most_common()), "cpu": _cpu_section(model, base, nodes)}
+    extra: dict[str, Any] = {"float_elementwise": dict(kept_float.most_common()), "cpu": _cpu_section(model, nodes)}
     if ort and not isinstance(onnx_path, onnx.ModelProto):
         graph = ort_optimised_graph(onnx_path)
-        optimised = Counter(node.op_type for node in graph.node)
+        optimised = Counter(node.op_type for node in graph)
         counts = ort_int8_counts(onnx_path, optimised)
         extra["ort_int8"] = {op: c for op, c in counts.items() if c["int8"] or c["float"]}
         extra["ort_matmul_nbits"] = optimised.get("MatMulNBits", 0)
@@ -276,14 +269,14 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
     return QDQReport(opset, stats, tuple(ops), dict(zp_types), tuple(missing), extra)
 
 
-def _cpu_section(model: onnx.ModelProto, base: Path | None, nodes: list) -> dict[str, Any]:
+def _cpu_section(model: ir.Model, nodes: list) -> dict[str, Any]:
     """This CPU's U8S8 arithmetic, the weight rule the file records, and the weights that x86
     kernels without VNNI could saturate on (they compute something else there)."""
     from .._cpu import cpu_int8
     from .rules import file_weight_range, weights_beyond_portable
 
     cpu = cpu_int8()
-    beyond = weights_beyond_portable(model, base, nodes)
+    beyond = weights_beyond_portable(model, nodes)
     recorded = file_weight_range(model)
     return {
         "machine": cpu.describe(),
@@ -301,7 +294,7 @@ _ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": 
               "MatMul": "MatMul", "FusedMatMul": "MatMul", "Add": "Add"}
 
 
-def ort_optimised_graph(onnx_path: str | os.PathLike) -> onnx.GraphProto:
+def ort_optimised_graph(onnx_path: str | os.PathLike) -> ir.Graph:
     """The main graph ONNX Runtime actually runs (CPU provider, default level), without weights."""
     import onnxruntime as ort
 
@@ -313,12 +306,12 @@ def ort_optimised_graph(onnx_path: str | os.PathLike) -> onnx.GraphProto:
         # A model over 2 GB can only be saved with its weights outside the proto.
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimised.onnx.data")
         ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-        return onnx.load_model(str(optimised), load_external_data=False).graph
+        return ir.from_proto(onnx.load_model(str(optimised), load_external_data=False)).graph
 
 
 def ort_optimised_ops(onnx_path: str | os.PathLike) -> Counter[str]:
     """Operator counts of the graph ONNX Runtime actually runs (CPU provider, default level)."""
-    return Counter(node.op_type for node in ort_optimised_graph(onnx_path).node)
+    return Counter(node.op_type for node in ort_optimised_graph(onnx_path))
 
 
 #: What ORT's CPU provider runs at more cost quantized than a float graph runs it, by the pattern
@@ -334,35 +327,33 @@ COSTLIER_THAN_FLOAT = {
 _POOLS = {"QLinearGlobalAveragePool", "GlobalAveragePool", "ReduceMean"}
 
 
-def _pooled(name: str, made_by: dict[str, onnx.NodeProto], depth: int = 8) -> bool:
-    """Whether ``name`` is computed from a global pool within ``depth`` producers (a gate)."""
-    frontier = [name]
+def _pooled(value: ir.Value | None, depth: int = 8) -> bool:
+    """Whether ``value`` is computed from a global pool within ``depth`` producers (a gate)."""
+    frontier = [value]
     for _ in range(depth):
-        producers_ = [made_by[n] for n in frontier if n in made_by]
-        if any(p.op_type in _POOLS for p in producers_):
+        made = [p for v in frontier if (p := _producer(v)) is not None]
+        if any(p.op_type in _POOLS for p in made):
             return True
-        frontier = [p.input[0] for p in producers_ if p.input]
+        frontier = [p.inputs[0] for p in made if p.inputs]
     return False
 
 
-def ort_costlier_than_float(graph: onnx.GraphProto) -> dict[str, int]:
+def ort_costlier_than_float(graph: ir.Graph) -> dict[str, int]:
     """Count, in ORT's optimised ``graph``, the patterns of :data:`COSTLIER_THAN_FLOAT`."""
-    made_by = producers(graph)
     found: Counter[str] = Counter()
-    for node in graph.node:
-        if node.op_type == "QLinearMul" and len(node.input) > 3:
-            first, second = node.input[0], node.input[3]
+    for node in graph:
+        if node.op_type == "QLinearMul" and len(node.inputs) > 3:
+            first, second = node.inputs[0], node.inputs[3]
             for x, s in ((first, second), (second, first)):
-                sigmoid = made_by.get(s)
+                sigmoid = _producer(s)
                 if sigmoid is None or sigmoid.op_type != "QLinearSigmoid":
                     continue
-                if sigmoid.input[0] == x:
+                if sigmoid.inputs[0] is x:
                     found["silu"] += 1
-                elif _pooled(sigmoid.input[0], made_by):
+                elif _pooled(sigmoid.inputs[0]):
                     found["gate"] += 1
                 break
-        elif node.op_type == "HardSigmoid" and (p := made_by.get(node.input[0])) is not None \
-                and p.op_type == "DequantizeLinear":
+        elif node.op_type == "HardSigmoid" and _dequantized(node.inputs[0]):
             found["hardswish"] += 1
     return {COSTLIER_THAN_FLOAT[k]: found[k] for k in COSTLIER_THAN_FLOAT if found[k]}
 

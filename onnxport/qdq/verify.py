@@ -7,9 +7,9 @@ import warnings
 from typing import Any
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 
-from .._graph import constants, producers, tensor_value
+from .._ir import const_tensor, read_model, read_values
 from ..compare import Measure, OutputResult, Report, WithinFloor, compare_runs
 from ..errors import InvalidArgumentError, VacuousCheckWarning
 from ..rounding import check_floor_arguments, cosine, perturbed_runs
@@ -29,21 +29,18 @@ def _split(model: Any, sample: Any, n_batches: Any, onnx_path: Any = None) -> tu
     return call, split_batches(inputs, n_batches, file_batch(onnx_path) if onnx_path is not None else None), names
 
 
-def _output_scale(model: onnx.ModelProto, output: str, base_dir: str | None) -> float | None:
+def _output_scale(model: ir.Model, output: str) -> float | None:
     """The scale of the last DequantizeLinear on the way to ``output`` (float ops may follow it)."""
-    graph = model.graph
-    made_by = producers(graph)
-    consts = constants(graph)
-    frontier, seen = [output], set()
+    start = next((v for v in model.graph.outputs if v.name == output), None)
+    frontier, seen = [start], set()
     while frontier:
-        name = frontier.pop(0)
-        if name in seen or name not in made_by:
+        value = frontier.pop(0)
+        if value is None or id(value) in seen or (node := value.producer()) is None:
             continue
-        seen.add(name)
-        node = made_by[name]
-        if node.op_type == "DequantizeLinear" and node.input[1] in consts:
-            return float(np.max(tensor_value(consts[node.input[1]], base_dir)))
-        frontier.extend(i for i in node.input if i and i not in consts)
+        seen.add(id(value))
+        if node.op_type == "DequantizeLinear" and (scale := const_tensor(node.inputs[1])) is not None:
+            return float(np.max(read_values(scale)))
+        frontier.extend(i for i in node.inputs if i is not None and const_tensor(i) is None)
     return None
 
 
@@ -106,6 +103,7 @@ def compare_qdq(
     if rounding_floor:
         check_floor_arguments(floor_seeds, 1.0)
     header = read_onnx(onnx_path, "onnx_path")  # read once: the file's batch here, its output scales below
+    graph, _ = read_model(header, base=os.path.dirname(os.fspath(onnx_path)))
     call, batches, names = _split(model, sample, n_batches, header)
     optimized = runs_optimized(model, optimized)
     runner = ONNXModel(onnx_path, session_options=session_options_for(optimized))
@@ -115,8 +113,7 @@ def compare_qdq(
     got = onnx_batches(runner, batches, names, "default level" if optimized else "unoptimised")
     for name, ref in zip(got.names, reference.arrays):
         _warn_if_input_independent(name, ref)
-    base = os.path.dirname(os.fspath(onnx_path))
-    scales = {name: _output_scale(header, name, base) for name in got.names}
+    scales = {name: _output_scale(graph, name) for name in got.names}
     floors = ({name: tuple(cosine(ref, run[i]) for run in perturbed) for i, (name, ref) in enumerate(zip(got.names, reference.arrays))}
               if perturbed is not None else None)
     return compare_runs(got, reference, WithinFloor() if rounding_floor else Measure(), scales=scales, floors=floors)

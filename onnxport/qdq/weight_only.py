@@ -243,7 +243,7 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
             graph.insert_before(first, node)
 
 
-_FILE_TYPES = {onnx.TensorProto.INT4: ir.DataType.INT4, onnx.TensorProto.INT8: ir.DataType.INT8}
+_FILE_TYPES = (ir.DataType.INT4, ir.DataType.INT8)
 
 
 def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -253,26 +253,22 @@ def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types.
     One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
-    from .._graph import consumers
-    from .._io import read_onnx
+    from .._ir import read_model
     from .view import qdq_nodes
 
-    model = read_onnx(path, "onnx_path")
-    readers: dict[int, dict] = {}
-    for q in qdq_nodes(model, Path(path).parent):
-        if q.op_type != "DequantizeLinear" or q.integers is None or q.integers.data_type not in _FILE_TYPES:
+    model, _ = read_model(path)
+    for q in qdq_nodes(model):
+        if q.op_type != "DequantizeLinear" or q.integers is None or q.integers.dtype not in _FILE_TYPES:
             continue
-        if id(q.graph) not in readers:
-            readers[id(q.graph)] = consumers(q.graph)
         zp = q.zero_point_values()
-        yield q.node.output[0], {
+        yield q.output.name, {
             "q": q.integer_values().astype(np.int8),
             "scale": q.scale_values() if q.scale is not None else None,
             "zp": None if zp is None else zp.astype(np.int8),
             "axis": q.attributes.get("axis", 1),
             "block_size": q.block_size or None,
-            "dtype": _FILE_TYPES[q.integers.data_type],
-            "readers": sorted({n.op_type for n in readers[id(q.graph)].get(q.node.output[0], [])}),
+            "dtype": q.integers.dtype,
+            "readers": sorted({node.op_type for node, _ in q.output.uses()}),
         }
 
 

@@ -1,0 +1,222 @@
+"""The one graph layer: ``onnx_ir`` helpers shared by the passes and the readers of files.
+
+Reading a file goes through :func:`read_model` (weights stay on disk as lazy external tensors,
+confined to the model's folder); passes and readers walk values and their producers and uses,
+never protobuf fields. :func:`on_proto` is the one bridge for callers that hold an
+``onnx.ModelProto``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ._io import BASEPATH_KEY, external_folder, read_onnx
+from .errors import InvalidArgumentError
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+#: Ops that carry a weight from its constant to its reader without changing its shape.
+PASS_THROUGH = ("DequantizeLinear", "QuantizeLinear", "Cast", "Identity")
+
+
+def is_default(node: ir.Node) -> bool:
+    return node.domain in DEFAULT_DOMAINS
+
+
+def nodes(model: ir.Model):
+    """Every node of the model: the main graph, If/Loop/Scan bodies, and function bodies."""
+    yield from ir.traversal.RecursiveGraphIterator(model.graph)
+    for function in model.functions.values():
+        yield from ir.traversal.RecursiveGraphIterator(function)
+
+
+def only_reader(value: ir.Value, op_type: str, input_index: int | None = None) -> ir.Node | None:
+    """The one default-domain ``op_type`` node that reads ``value`` (at ``input_index``, when given),
+    or None when anything else reads it too or it is a graph output: a rewrite may then own it."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    reader, index = uses[0]
+    if reader.op_type != op_type or not is_default(reader) or (input_index is not None and index != input_index):
+        return None
+    return reader
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The values of a constant (initializer or ``Constant`` output), or None when computed."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else tensor.numpy()
+
+
+def is_scalar(value: ir.Value | None, expected: float, tolerance: float = 0.0) -> bool:
+    """Whether ``value`` is a one-element constant within ``tolerance`` of ``expected``."""
+    values = const_array(value)
+    return values is not None and values.size == 1 and abs(float(values.reshape(())) - expected) <= tolerance
+
+
+def other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The input of a two-input node that is not ``value`` (None when ``value`` is neither)."""
+    if len(node.inputs) != 2:
+        return None
+    first, second = node.inputs
+    return second if first is value else first if second is value else None
+
+
+def constant_shape(value: ir.Value | None) -> list[int] | None:
+    """Dims of the constant a value comes from through Q/DQ/Cast/Identity (data not loaded)."""
+    seen: set[int] = set()
+    while value is not None and id(value) not in seen:
+        seen.add(id(value))
+        tensor = value.const_value
+        if tensor is None and (producer := value.producer()) is not None and producer.op_type == "Constant":
+            tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None:
+            return [int(d) for d in tensor.shape]
+        producer = value.producer()
+        if producer is None or producer.op_type not in PASS_THROUGH or not is_default(producer) or not producer.inputs:
+            return None
+        value = producer.inputs[0]
+    return None
+
+
+def taken_names(model: ir.Model) -> set[str]:
+    """Every value and node name used anywhere, so that a new name collides with none."""
+    taken: set[str] = set(model.graph.initializers)
+    for node in nodes(model):
+        taken.update(v.name for v in (*node.inputs, *node.outputs) if v is not None and v.name)
+        if node.name:
+            taken.add(node.name)
+    taken.update(v.name for v in (*model.graph.inputs, *model.graph.outputs) if v.name)
+    return taken
+
+
+def drop_unread_constants(values) -> None:
+    """Remove those of ``values`` that are constants nothing reads any more, and nothing else."""
+    for value in {id(v): v for v in values}.values():
+        if value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        if (graph := value.graph) is not None and graph.initializers.get(value.name) is value:
+            del graph.initializers[value.name]
+        elif (producer := value.producer()) is not None and producer.op_type == "Constant" and producer.graph is not None:
+            producer.graph.remove(producer, safe=True)
+
+
+def on_proto(pass_: ir.passes.PassBase, model: onnx.ModelProto) -> onnx.ModelProto:
+    """Run an ``onnx_ir`` pass on a proto and return a new proto; ``model`` is left as it was."""
+    result = pass_(ir.from_proto(model))
+    if not result.modified:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        return copy
+    return ir.to_proto(result.model)
+
+
+# -- reading files -------------------------------------------------------------------------------
+def read_model(
+    source: str | os.PathLike | onnx.ModelProto, argument: str = "onnx_path", *, base: str | os.PathLike | None = None,
+) -> tuple[ir.Model, Path | None]:
+    """``source`` as an ``ir.Model`` for reading, and the folder its external data lives in.
+
+    A path is read with :func:`onnxport._io.read_onnx` (named errors for missing, corrupt or
+    unsafe files); a proto is wrapped without copying its tensors. Weights in external data stay
+    on disk: an ``ir.ExternalTensor`` reads its bytes only when :func:`read_values` asks, from the
+    model's folder or — for tensors a conversion spilled — onnxport's own scratch folder (any
+    other ``basepath`` is refused here, before a byte is read). ``base``: the folder a proto's
+    external data lives in, when the caller read it from a file.
+    """
+    if isinstance(source, onnx.ModelProto):
+        proto, base = source, Path(base) if base is not None else None
+    else:
+        proto, base = read_onnx(source, argument), Path(source).parent
+    folders: dict[str, Path] = {}
+    for tensor in onnx.external_data_helper._get_all_tensors(proto):  # initializers and attributes, bodies too
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            own = any(e.key == BASEPATH_KEY for e in tensor.external_data)
+            if own or base is not None:
+                folders[tensor.name] = external_folder(tensor, base)
+    model = ir.from_proto(proto)
+    for tensor in _tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            folder = folders.get(tensor.name)
+            tensor.base_dir = str(folder) if folder is not None else ""
+    return model, base
+
+
+def _tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+    for graph in graphs(model):
+        yield from (v.const_value for v in graph.initializers.values() if v.const_value is not None)
+        for node in graph:
+            yield from (a.as_tensor() for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR)
+
+
+def graphs(model: ir.Model) -> Iterator[ir.Graph]:
+    """The main graph, then every If/Loop/Scan body (bodies of bodies too)."""
+    yield model.graph
+    yield from model.graph.subgraphs()
+
+
+def const_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The constant behind ``value`` (an initializer or a ``Constant`` output), data not loaded;
+    None when the value is computed or a graph input."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or not is_default(producer):
+        return None
+    try:
+        return ir.convenience.get_const_tensor(value)
+    except (ValueError, TypeError):  # a Constant without one value attribute: the checker's business
+        return None
+
+
+def read_values(tensor: ir.TensorProtocol) -> np.ndarray:
+    """A constant's values; external data is read from the folder :func:`read_model` confined it to."""
+    if isinstance(tensor, ir.ExternalTensor) and not tensor.base_dir:
+        raise InvalidArgumentError(
+            f"Tensor '{tensor.name}' refers to external data whose folder is unknown; load the model from its "
+            f"path (or with onnx.load(path), weights included)."
+        )
+    if isinstance(tensor, ir.ExternalTensor):
+        try:  # a copy, and the file's mapping closed at once: reading every weight holds one at a time
+            return np.array(tensor.numpy())
+        finally:
+            tensor.release()
+    return tensor.numpy()
+
+
+def label(node: ir.Node) -> str:
+    """How a node is named in messages: its name, else its op and first output."""
+    return node.name or f"{node.op_type}->{node.outputs[0].name if node.outputs else ''}"
+
+
+def opset_of(model: ir.Model | onnx.ModelProto) -> int:
+    """The version of the default ONNX domain a model imports."""
+    if isinstance(model, ir.Model):
+        version = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    else:
+        version = next((e.version for e in model.opset_import if e.domain in DEFAULT_DOMAINS), None)
+    if version is None:
+        raise InvalidArgumentError(
+            "The model imports no default-domain (ai.onnx) opset, so none of its standard operators has a "
+            "meaning; add an opset_import entry for domain ''."
+        )
+    return int(version)
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``… — the first not in ``taken`` (which is updated)."""
+    name, index = base, 0
+    while name in taken:
+        index += 1
+        name = f"{base}_{index}"
+    taken.add(name)
+    return name
