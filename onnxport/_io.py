@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx.external_data_helper
-from onnx import numpy_helper
 
 from .errors import InvalidArgumentError, UnsafeExternalDataError, WriteError
 
@@ -121,8 +120,9 @@ def walk_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
                     yield from walk_graphs(g)
 
 
-_EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
-_CHUNK = 64 * 1024 * 1024
+#: metadata key under which a model whose weights were never loaded remembers their folder
+#: (set by ``encodings_to_onnx_qdq`` on a model read from a path; ``save_model`` reads it).
+EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
 
 
 def _all_initializers(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -153,9 +153,8 @@ class ScratchTensors:
     """Tensors a conversion makes that must not stay in memory (a 7B model's prequantized weights).
 
     Each is appended to one scratch file under the temp directory (``TMPDIR``) and given back as
-    an external-data ``TensorProto`` whose ``basepath`` names that folder, so :func:`save_model`
-    streams it into the final file like any other unloaded weight. The scratch folder is removed
-    when the process exits.
+    an ``ir.ExternalTensor`` in that folder, so ``ir.save`` copies it into the final file like any
+    other weight left on disk. The scratch folder is removed when the process exits.
     """
 
     def __init__(self) -> None:
@@ -163,21 +162,28 @@ class ScratchTensors:
         self.path = Path(name)
         self._file = os.fdopen(handle, "wb")
         self._offset = 0
+        self.names: set[str] = set()
 
-    def put(self, name: str, values: np.ndarray) -> onnx.TensorProto:
-        tensor = numpy_helper.from_array(values, name)  # packs 4- and 2-bit types as ONNX stores them
-        raw = tensor.raw_data
+    def put(self, name: str, values: np.ndarray) -> Any:
+        import onnx_ir as ir
+
+        raw = ir.tensor(values, name=name).tobytes()  # packs 4- and 2-bit types as ONNX stores them
         self._file.write(raw)
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        for key, value in (("location", self.path.name), ("offset", str(self._offset)), ("length", str(len(raw))),
-                           (BASEPATH_KEY, str(self.path.parent))):
-            tensor.external_data.add(key=key, value=value)
+        tensor = ir.ExternalTensor(self.path.name, self._offset, len(raw), ir.DataType.from_numpy(values.dtype),
+                                   shape=ir.Shape(values.shape), name=name, base_dir=str(self.path.parent))
         self._offset += len(raw)
+        self.names.add(name)
         return tensor
 
     def close(self) -> None:
         self._file.close()
+
+    def mark(self, model: onnx.ModelProto) -> None:
+        """Name the scratch folder (``basepath``) in the external data of this scratch's tensors in
+        ``model``: a proto carries no folder of its own for them."""
+        for tensor in onnx.external_data_helper._get_all_tensors(model):
+            if tensor.name in self.names and tensor.data_location == onnx.TensorProto.EXTERNAL:
+                tensor.external_data.add(key=BASEPATH_KEY, value=str(self.path.parent))
 
 
 def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
@@ -275,126 +281,6 @@ def check_external_data(model: onnx.ModelProto, base: str | os.PathLike | None) 
             )
 
 
-def _streamed_bytes(model: onnx.ModelProto, base: str | None) -> int:
-    total = 0
-    for tensor in _all_initializers(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            file, offset, length = external_source(tensor, base)
-            total += length if length >= 0 else max(file.stat().st_size - offset, 0)
-    return total
-
-
-def _copy_range(source, out, offset: int, length: int, bar) -> int:
-    """Append ``length`` bytes (all, when -1) of ``source`` from ``offset`` to ``out``; the bytes
-    that were copied. In the kernel where it can (``os.copy_file_range``: 2-3x faster than reading
-    and writing through Python), else a chunk at a time."""
-    copied = 0
-    fast = hasattr(os, "copy_file_range")
-    while length < 0 or copied < length:
-        want = _CHUNK if length < 0 else min(_CHUNK, length - copied)
-        if fast:
-            try:
-                n = os.copy_file_range(source.fileno(), out.fileno(), want, offset + copied)
-            except OSError:  # another file system, or a kernel without it: copy through Python
-                fast = False
-                continue
-        else:
-            source.seek(offset + copied)
-            chunk = source.read(want)
-            out.write(chunk)
-            n = len(chunk)
-        if n == 0:
-            break
-        copied += n
-        bar.update(n)
-    if not fast:
-        out.flush()
-    return copied
-
-
-def _write_streaming(model: onnx.ModelProto, path: Path) -> Path:
-    """Write a model whose weights are partly still on disk, copying them tensor by tensor.
-
-    A tensor's source folder is its own ``basepath`` (scratch tensors) or the model's
-    ``onnxport.external_data_dir`` metadata (set by ``encodings_to_onnx_qdq`` when it loaded a
-    model without its weights). Memory stays at one chunk of weights, whatever the model's size;
-    a progress bar counts the bytes.
-    """
-    from tqdm.auto import tqdm
-
-    props = {p.key: p.value for p in model.metadata_props}
-    base = props.get(_EXTERNAL_BASE_KEY)
-    check_external_data(model, base)
-    total = _streamed_bytes(model, base)
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    keep = [p for p in copy.metadata_props if p.key != _EXTERNAL_BASE_KEY]
-    del copy.metadata_props[:]
-    copy.metadata_props.extend(keep)
-    data_name = path.name + ".data"
-    offset = 0
-    bar = tqdm(total=total, desc="writing weights", unit="B", unit_scale=True, leave=False, disable=None)
-    with open(path.parent / data_name, "wb") as out, bar:
-        for tensor in _all_initializers(copy):
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                file, source_offset, length = external_source(tensor, base)
-                start = offset
-                with open(file, "rb") as source:
-                    out.flush()
-                    size = _copy_range(source, out, source_offset, length, bar)
-                offset += size
-                if length >= 0 and size != length:
-                    raise InvalidArgumentError(
-                        f"Tensor '{tensor.name}' should hold {length} bytes in '{file}', which ended after {size}; "
-                        f"the external data is truncated."
-                    )
-            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= _EXTERNAL_SIZE_THRESHOLD:
-                start, size = offset, len(tensor.raw_data)
-                out.write(tensor.raw_data)
-                offset += size
-                tensor.ClearField("raw_data")
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-            else:
-                continue
-            del tensor.external_data[:]
-            for key, value in (("location", data_name), ("offset", str(start)), ("length", str(size))):
-                tensor.external_data.add(key=key, value=value)
-    onnx.save_model(copy, str(path))
-    return path
-
-
-def write_model(
-    model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None
-) -> Path:
-    """Write ``model`` to ``path`` as is (not atomic: use inside :func:`staged_output`).
-
-    ``model`` is not modified (with external data a copy is saved, which costs its size in memory).
-
-    ``external_data=None`` stores weights in ``<name>.data`` beside the file only when the model
-    is too large for one protobuf; ``True`` or ``False`` forces the choice.
-    """
-    path = Path(path)
-    if has_unloaded_external_data(model):
-        return _write_streaming(model, path)
-    if external_data is None:
-        external_data = needs_external_data(model)
-    if external_data:
-        # onnx moves the weights out of the proto it saves; save a copy so ``model`` stays whole.
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        onnx.save_model(
-            copy,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=path.name + ".data",
-            size_threshold=_EXTERNAL_SIZE_THRESHOLD,
-        )
-    else:
-        onnx.save_model(model, str(path))
-    return path
-
-
 def save_ir(model: Any, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
     """Write an ``onnx_ir`` model with ``ir.save`` (not atomic: use inside :func:`staged_output`).
 
@@ -410,7 +296,7 @@ def save_ir(model: Any, path: str | os.PathLike, *, external_data: bool | None =
         # a lazily loaded tensor is copied into this file's own data, never left pointing elsewhere
         external_data = lazy or size > EXTERNAL_DATA_BYTES
     ir.save(model, path, external_data=path.name + ".data" if external_data else None,
-            size_threshold_bytes=_EXTERNAL_SIZE_THRESHOLD)
+            size_threshold_bytes=_EXTERNAL_SIZE_THRESHOLD - 1)  # ir.save moves tensors above it; onnx, those at it too
     return path
 
 

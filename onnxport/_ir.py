@@ -16,7 +16,15 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ._io import BASEPATH_KEY, external_folder, read_onnx
+from ._io import (
+    BASEPATH_KEY,
+    EXTERNAL_BASE_KEY,
+    check_external_data,
+    external_folder,
+    has_unloaded_external_data,
+    read_onnx,
+    save_ir,
+)
 from .errors import InvalidArgumentError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -129,9 +137,12 @@ def read_model(
     on disk: an ``ir.ExternalTensor`` reads its bytes only when :func:`read_values` asks, from the
     model's folder or — for tensors a conversion spilled — onnxport's own scratch folder (any
     other ``basepath`` is refused here, before a byte is read). ``base``: the folder a proto's
-    external data lives in, when the caller read it from a file.
+    external data lives in, when the caller read it from a file (else the folder its
+    ``onnxport.external_data_dir`` metadata names, if any).
     """
     if isinstance(source, onnx.ModelProto):
+        if base is None:
+            base = next((p.value for p in source.metadata_props if p.key == EXTERNAL_BASE_KEY), None)
         proto, base = source, Path(base) if base is not None else None
     else:
         proto, base = read_onnx(source, argument), Path(source).parent
@@ -220,3 +231,21 @@ def unique_name(base: str, taken: set[str]) -> str:
         name = f"{base}_{index}"
     taken.add(name)
     return name
+
+
+# -- writing protos ------------------------------------------------------------------------------
+def write_model(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+    """Write ``model`` to ``path`` with ``ir.save`` (not atomic: use inside ``staged_output``).
+
+    ``model`` is not modified and its weights are not copied in memory. Weights it left on disk
+    (a converted model's: its folder is in the ``onnxport.external_data_dir`` metadata, or
+    onnxport's scratch) are copied into the file's own data tensor by tensor, whatever their
+    size. ``external_data=None`` stores weights in ``<name>.data`` beside the file only when
+    they would not fit one protobuf (or are on disk already); ``True``/``False`` force it.
+    """
+    unloaded = has_unloaded_external_data(model)
+    if unloaded:
+        check_external_data(model, next((p.value for p in model.metadata_props if p.key == EXTERNAL_BASE_KEY), None))
+    work, _ = read_model(model)
+    work.metadata_props.pop(EXTERNAL_BASE_KEY, None)
+    return save_ir(work, path, external_data=True if unloaded else external_data)

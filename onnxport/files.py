@@ -8,7 +8,8 @@ from pathlib import Path
 
 import onnx
 
-from ._io import check_output_path, staged_output, write_model
+from ._io import check_output_path, staged_output
+from ._ir import write_model
 from .errors import InvalidArgumentError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 
 from ..errors import InvalidArgumentError
 from .formats import Encoding, ScaleMeta, effective_scale_problem
@@ -21,13 +21,14 @@ class TensorInfo:
     """Where a tensor lives and what is known of it."""
 
     name: str
-    graph: onnx.GraphProto
+    value: ir.Value
+    graph: ir.Graph  # the graph that defines it (main or a body)
     is_constant: bool
     dims: tuple[int, ...] | None  # None when the shape is not known
     elem_type: int | None
 
 
-def consumer_axes(name: str, readers: list[tuple[onnx.NodeProto, int]], rank: int | None) -> tuple[int, int] | None:
+def consumer_axes(name: str, readers: list[tuple[ir.Node, int]], rank: int | None) -> tuple[int, int] | None:
     """(channel axis, block axis) of a weight from the operator reading it, or None."""
     for node, index in readers:
         if node.op_type == "Conv" and index == 1:
@@ -35,7 +36,7 @@ def consumer_axes(name: str, readers: list[tuple[onnx.NodeProto, int]], rank: in
         if node.op_type == "ConvTranspose" and index == 1:
             return 1, 0
         if node.op_type == "Gemm" and index == 1:
-            trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            trans_b = node.attributes.get_int("transB", 0)
             return (0, 1) if trans_b else (1, 0)
         if node.op_type == "MatMul" and index == 1 and rank:
             return rank - 1, rank - 2
@@ -50,7 +51,7 @@ def _fail(entry: Encoding, info: TensorInfo, why: str) -> InvalidArgumentError:
 
 
 def resolve(
-    entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProto, int]], *, allow_subnormal: bool = False
+    entry: Encoding, info: TensorInfo, readers: list[tuple[ir.Node, int]], *, allow_subnormal: bool = False
 ) -> Encoding:
     """Settle ``entry``'s axis/block layout against the tensor, or raise naming tensor, shape and axis.
 
@@ -116,7 +117,7 @@ def _fit_block_grid(entry: Encoding, info: TensorInfo) -> Encoding:
 
 
 def _resolve_blocks(
-    entry: Encoding, info: TensorInfo, readers: list[tuple[onnx.NodeProto, int]], allow_subnormal: bool
+    entry: Encoding, info: TensorInfo, readers: list[tuple[ir.Node, int]], allow_subnormal: bool
 ) -> Encoding:
     dims = info.dims
     found = consumer_axes(entry.name, readers, len(dims) if dims else None) if info.is_constant and dims else None

@@ -13,12 +13,22 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import helper, numpy_helper
-from onnx_ir.passes.common import TopologicalSortPass
+from onnx_ir.passes.common import CheckerPass, TopologicalSortPass
 from tqdm.auto import tqdm
 
-from .._io import ScratchTensors, check_external_data, external_folder, external_source, read_onnx, walk_graphs
-from .._ir import opset_of, unique_name
+from .._io import EXTERNAL_BASE_KEY, ScratchTensors, _inside, check_external_data
+from .._ir import (
+    const_tensor,
+    drop_unread_constants,
+    graphs,
+    is_default,
+    label,
+    opset_of,
+    read_model,
+    read_values,
+    taken_names,
+    unique_name,
+)
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
@@ -35,12 +45,9 @@ from .formats import (
     unsigned_twin,
 )
 
-#: metadata key under which a converted model remembers where its unloaded external weights live.
-EXTERNAL_BASE_KEY = "onnxport.external_data_dir"
 FORCE_CHOICES = ("unsigned", "signed", None)
 
-_REJECTED_FLOATS = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
-                    onnx.TensorProto.DOUBLE: "float64"}
+_REJECTED_FLOATS = {ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16", ir.DataType.DOUBLE: "float64"}
 
 
 class OmittedEncodingsWarning(OnnxportWarning):
@@ -48,108 +55,109 @@ class OmittedEncodingsWarning(OnnxportWarning):
 
 
 # -- the model -------------------------------------------------------------------------------------
-def _load_model(model: Any) -> tuple[onnx.ModelProto, Path | None]:
-    if isinstance(model, onnx.ModelProto):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        base = next((p.value for p in model.metadata_props if p.key == EXTERNAL_BASE_KEY), None)
-        return copy, Path(base) if base else None
+def _load_model(model: Any) -> tuple[ir.Model, onnx.ModelProto, Path | None]:
+    """The model to rewrite (weights in external data stay on disk: only names and shapes are
+    needed), the proto it was read from (for shape inference), and its external data's folder."""
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
-        # Weights in external data stay on disk: only their names and shapes are needed.
-        loaded = read_onnx(path, "model")
-        check_external_data(loaded, path.parent)  # a truncated .data file fails here, before any work
-        return loaded, path.parent
+        work, base = read_model(path, "model")
+        proto = onnx.load_model(str(path), load_external_data=False)
+        check_external_data(proto, path.parent)  # a truncated .data file fails here, before any work
+        return work, proto, base
+    if isinstance(model, onnx.ModelProto):
+        work, base = read_model(model, "model")  # wraps the proto's tensors; the proto is never edited
+        return work, model, base
     raise InvalidArgumentError(f"model must be an onnx.ModelProto or a path to an .onnx file, not {type(model).__name__}.")
 
 
-def _float_gate(model: onnx.ModelProto) -> None:
+def _float_gate(model: ir.Model) -> None:
     """Only float32 graphs: a float16/bfloat16/float64 tensor anywhere (subgraphs too) is refused."""
 
-    def refuse(what: str, dtype: int) -> InvalidArgumentError:
+    def refuse(what: str, dtype: ir.DataType) -> InvalidArgumentError:
         return InvalidArgumentError(
             f"encodings_to_onnx_qdq converts float32 models, and {what} is {_REJECTED_FLOATS[dtype]}; "
             f"convert the model to float32 first."
         )
 
-    for graph in walk_graphs(model.graph):
-        for value in [*graph.input, *graph.output, *graph.value_info]:
-            if value.type.tensor_type.elem_type in _REJECTED_FLOATS:
-                raise refuse(f"tensor '{value.name}'", value.type.tensor_type.elem_type)
-        for tensor in graph.initializer:
-            if tensor.data_type in _REJECTED_FLOATS:
-                raise refuse(f"initializer '{tensor.name}'", tensor.data_type)
-        for node in graph.node:
-            for attr in node.attribute:
-                if node.op_type == "Cast" and attr.name == "to" and attr.i in _REJECTED_FLOATS:
-                    raise refuse(f"the output of Cast node '{node.name or node.output[0]}'", attr.i)
-                if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type in _REJECTED_FLOATS:
-                    raise refuse(f"the value of {node.op_type} node '{node.name or node.output[0]}'", attr.t.data_type)
+    for graph in graphs(model):
+        computed = [v for node in graph for v in node.outputs]
+        for value in [*graph.inputs, *graph.outputs, *computed]:
+            if value.dtype in _REJECTED_FLOATS:
+                raise refuse(f"tensor '{value.name}'", value.dtype)
+        for value in graph.initializers.values():
+            if value.const_value is not None and value.const_value.dtype in _REJECTED_FLOATS:
+                raise refuse(f"initializer '{value.name}'", value.const_value.dtype)
+        for node in graph:
+            to = node.attributes.get_int("to") if node.op_type == "Cast" else None
+            if to is not None and ir.DataType(to) in _REJECTED_FLOATS:
+                raise refuse(f"the output of Cast node '{label(node)}'", ir.DataType(to))
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR and attr.value.dtype in _REJECTED_FLOATS:
+                    raise refuse(f"the value of {node.op_type} node '{label(node)}'", attr.value.dtype)
 
 
-def _shape_of(value: onnx.ValueInfoProto) -> tuple[int, ...] | None:
-    tensor_type = value.type.tensor_type
-    if not tensor_type.HasField("shape"):
+def _inferred(proto: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...] | None, int | None]]:
+    """(static dims or None, element type) of the values onnx's shape inference can tell."""
+    try:
+        graph = onnx.shape_inference.infer_shapes(proto, strict_mode=False).graph
+    except Exception:  # shape inference is a help for checks, never a requirement
+        return {}
+    found = {}
+    for value in [*graph.value_info, *graph.input, *graph.output]:
+        tensor_type = value.type.tensor_type
+        dims = None
+        if tensor_type.HasField("shape"):
+            dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
+            dims = None if any(d < 0 for d in dims) else dims
+        found[value.name] = (dims, tensor_type.elem_type or None)
+    return found
+
+
+def _static(value: ir.Value) -> tuple[int, ...] | None:
+    shape = value.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
         return None
-    dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
-    return None if any(d < 0 for d in dims) else dims
+    return tuple(int(d) for d in shape)
 
 
 def _index(
-    model: onnx.ModelProto,
-) -> tuple[dict[str, TensorInfo], dict[str, list[tuple[onnx.NodeProto, int]]], dict[str, list[TensorInfo]]]:
+    model: ir.Model, inferred: dict[str, tuple[tuple[int, ...] | None, int | None]],
+) -> tuple[dict[str, TensorInfo], dict[str, list[tuple[ir.Node, int]]], dict[str, list[TensorInfo]]]:
     """Every tensor the encodings may name (subgraphs included), who reads each one, and — for
     names computed in several bodies (an If's two branches may reuse a name) — every definition."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
-        known = {v.name: v for v in [*inferred.value_info, *inferred.input, *inferred.output]}
-    except Exception:  # shape inference is a help for checks, never a requirement
-        known = {}
     info: dict[str, TensorInfo] = {}
-    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    readers: dict[str, list[tuple[ir.Node, int]]] = {}
     defined: dict[str, list[TensorInfo]] = {}
-    for graph in walk_graphs(model.graph):
-        local = {v.name: v for v in [*graph.input, *graph.output, *graph.value_info]}
-        for tensor in graph.initializer:
-            info[tensor.name] = TensorInfo(tensor.name, graph, True, tuple(tensor.dims), tensor.data_type)
-        for value in graph.input:
+    for graph in graphs(model):
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            dims = tuple(int(d) for d in tensor.shape) if tensor is not None else _static(value)
+            elem = int(tensor.dtype) if tensor is not None else (int(value.dtype) if value.dtype else None)
+            info[value.name] = TensorInfo(value.name, value, graph, True, dims, elem)
+        for value in graph.inputs:
             if value.name not in info:
-                info[value.name] = TensorInfo(value.name, graph, False, _shape_of(value), value.type.tensor_type.elem_type)
-        for node in graph.node:
-            for index, name in enumerate(node.input):
-                if name:
-                    readers.setdefault(name, []).append((node, index))
-            if node.op_type == "Constant":
-                value = next((a.t for a in node.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
-                if value is not None:
-                    info[node.output[0]] = TensorInfo(node.output[0], graph, True, tuple(value.dims), value.data_type)
+                info[value.name] = TensorInfo(value.name, value, graph, False, _static(value),
+                                              int(value.dtype) if value.dtype else None)
+        for node in graph:
+            for index, value in enumerate(node.inputs):
+                if value is not None and value.name:
+                    readers.setdefault(value.name, []).append((node, index))
+            if node.op_type == "Constant" and is_default(node) and (tensor := const_tensor(node.outputs[0])) is not None:
+                out = node.outputs[0]
+                info[out.name] = TensorInfo(out.name, out, graph, True, tuple(int(d) for d in tensor.shape), int(tensor.dtype))
+                continue
+            for value in node.outputs:
+                if not value.name:
                     continue
-            for name in node.output:
-                if not name:
-                    continue
-                meta = local.get(name) or known.get(name)
-                entry = TensorInfo(
-                    name, graph, False, _shape_of(meta) if meta else None,
-                    meta.type.tensor_type.elem_type if meta and meta.type.tensor_type.elem_type else None,
-                )
-                defined.setdefault(name, []).append(entry)
-                info.setdefault(name, entry)
+                dims, elem = _static(value), int(value.dtype) if value.dtype else None
+                if value.shape is None or elem is None:
+                    known_dims, known_elem = inferred.get(value.name, (None, None))
+                    dims = dims if value.shape is not None else known_dims
+                    elem = elem if elem is not None else known_elem
+                entry = TensorInfo(value.name, value, graph, False, dims, elem)
+                defined.setdefault(value.name, []).append(entry)
+                info.setdefault(value.name, entry)
     return info, readers, defined
-
-
-def _all_names(model: onnx.ModelProto) -> set[str]:
-    """Every value, node and initializer name used anywhere in the model."""
-    names: set[str] = set()
-    for graph in walk_graphs(model.graph):
-        names.update(t.name for t in graph.initializer)
-        names.update(v.name for v in [*graph.input, *graph.output, *graph.value_info])
-        for node in graph.node:
-            names.update(node.input)
-            names.update(node.output)
-            if node.name:
-                names.add(node.name)
-    names.discard("")
-    return names
 
 
 # -- force_activation_as -----------------------------------------------------------------------------
@@ -182,36 +190,24 @@ _SCRATCH_BYTES = 1 << 16
 RowReader = Callable[[int, int], np.ndarray]
 
 
-def _find_constant(name: str, info: TensorInfo) -> onnx.TensorProto:
-    for tensor in info.graph.initializer:
-        if tensor.name == name:
-            return tensor
-    for node in info.graph.node:
-        if node.op_type == "Constant" and node.output[0] == name:
-            return next(a.t for a in node.attribute if a.name == "value")
-    raise InvalidArgumentError(f"'{name}' is not a constant.")
-
-
-def _constant_rows(tensor: onnx.TensorProto, base: Path | None) -> RowReader:
+def _constant_rows(tensor: ir.TensorProtocol) -> RowReader:
     """A reader of rows ``[a, b)`` (along axis 0) of a constant, as float32.
 
     A float32 weight in external data is read straight from its file a slice at a time, so a
     weight never needs more than its own size in memory, and the model never needs its total.
     """
-    if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.data_type == onnx.TensorProto.FLOAT and tensor.dims:
-        file, offset, _ = external_source(tensor, base)
-        row = int(np.prod(tensor.dims[1:], dtype=np.int64))
-        shape = tuple(tensor.dims[1:])
+    if isinstance(tensor, ir.ExternalTensor) and tensor.dtype == ir.DataType.FLOAT and tensor.shape.rank():
+        file = _inside(Path(tensor.base_dir), tensor.location, tensor.name)  # confined like every read
+        offset = tensor.offset or 0
+        shape = tuple(int(d) for d in tensor.shape[1:])
+        row = int(np.prod(shape, dtype=np.int64))
 
         def read(a: int, b: int) -> np.ndarray:
             values = np.fromfile(file, dtype="<f4", count=(b - a) * row, offset=offset + a * row * 4)
             return values.reshape((b - a, *shape))
 
         return read
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        external_source(tensor, base)  # a named error when the data's folder is unknown
-    folder = external_folder(tensor, base) if tensor.data_location == onnx.TensorProto.EXTERNAL else None
-    values = numpy_helper.to_array(tensor, str(folder) if folder is not None else "").astype(np.float32, copy=False)
+    values = read_values(tensor).astype(np.float32, copy=False)
     return lambda a, b: values[a:b] if values.ndim else values
 
 
@@ -269,33 +265,36 @@ def quantize_array(x: np.ndarray, entry: Encoding, scale: np.ndarray) -> np.ndar
 
 # -- rewriting -----------------------------------------------------------------------------------------
 class _Rewriter:
-    def __init__(
-        self, model: onnx.ModelProto, info: dict[str, TensorInfo], defined: dict[str, list[TensorInfo]],
-        base: Path | None, scratch: ScratchTensors | None,
-    ) -> None:
+    """Inserts each encoding's Q/DQ nodes into the ``ir.Model``: new constants as initializers of
+    the graph that holds the tensor (on disk, in scratch, when the model's weights are), readers
+    rewired through the value's uses (bodies included), graph outputs keeping their names."""
+
+    def __init__(self, model: ir.Model, info: dict[str, TensorInfo], defined: dict[str, list[TensorInfo]],
+                 scratch: ScratchTensors | None) -> None:
         self.model = model
         self.info = info
         self.defined = defined
-        self.base = base
         self.scratch = scratch
-        self.taken = _all_names(model)
-        self.dead_constants: set[str] = set()
+        self.taken = taken_names(model) | {v.name for g in graphs(model) for v in g.initializers.values()}
+        self.replaced: list[ir.Value] = []
 
     def name(self, base: str) -> str:
         return unique_name(base, self.taken)
 
-    def add_init(self, graph: onnx.GraphProto, base: str, values: np.ndarray, *, replaces_external: bool = False) -> str:
+    def add_init(self, graph: ir.Graph, base: str, values: np.ndarray, *, replaces_external: bool = False) -> ir.Value:
         """A new initializer; on disk (scratch) when the model's weights are, for a weight that
         replaces one read from external data or any tensor of ``_SCRATCH_BYTES`` or more."""
         name = self.name(base)
         values = np.asarray(values)
         if self.scratch is not None and (replaces_external or values.nbytes >= _SCRATCH_BYTES):
-            graph.initializer.append(self.scratch.put(name, values))  # stays on disk, like the weights
+            tensor = self.scratch.put(name, values)  # stays on disk, like the weights
         else:
-            graph.initializer.append(numpy_helper.from_array(values, name))
-        return name
+            tensor = ir.tensor(values, name=name)
+        value = ir.Value(name=name, shape=ir.Shape(values.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        graph.register_initializer(value)
+        return value
 
-    def scale_input(self, graph: onnx.GraphProto, entry: Encoding, nodes: list[onnx.NodeProto]) -> str:
+    def scale_input(self, graph: ir.Graph, entry: Encoding, nodes: list[ir.Node]) -> ir.Value:
         if entry.meta is None:
             return self.add_init(graph, f"{entry.name}_scale", np.asarray(entry.scale, dtype=np.float32))
         meta: ScaleMeta = entry.meta
@@ -307,13 +306,14 @@ class _Rewriter:
         if meta.x_scale.size > 1 and meta.block_size is None:
             zp_values = np.asarray(zp_values).reshape(-1)
         x_zp = self.add_init(graph, f"{entry.name}_meta_zero_point", _typed(zp_values, x_dtype))
-        out = self.name(f"{entry.name}_scale")
         attrs = {}
         if meta.x_scale.size > 1:
             attrs["axis"] = meta.axis
         if meta.block_size:
             attrs["block_size"] = meta.block_size
-        nodes.append(helper.make_node("DequantizeLinear", [x, x_scale, x_zp], [out], name=self.name(f"{entry.name}_scale_dq"), **attrs))
+        out = ir.Value(name=self.name(f"{entry.name}_scale"))
+        nodes.append(ir.node("DequantizeLinear", [x, x_scale, x_zp], attrs, outputs=[out],
+                             name=self.name(f"{entry.name}_scale_dq")))
         return out
 
     def insert(self, entry: Encoding, prequantize: bool) -> None:
@@ -321,8 +321,8 @@ class _Rewriter:
             self._insert_in(entry, info, prequantize)
 
     def _insert_in(self, entry: Encoding, info: TensorInfo, prequantize: bool) -> None:
-        graph = info.graph
-        nodes: list[onnx.NodeProto] = []
+        graph, value = info.graph, info.value
+        nodes: list[ir.Node] = []
         scale = self.scale_input(graph, entry, nodes)
         zp_shape = np.shape(entry.scale) if entry.meta is None else entry.meta.x.shape
         zp_values = np.zeros(zp_shape, np.int64) if entry.zero_point is None else entry.zero_point
@@ -332,108 +332,50 @@ class _Rewriter:
             attrs["axis"] = entry.axis
         if entry.block_size:
             attrs["block_size"] = entry.block_size
-        qdq_name = self.name(f"{entry.name}_qdq")
-        outputs = {o.name for o in graph.output}
-        source = entry.name
+        mark = f"onnxport: encodes {entry.name}"
         if info.is_constant and (prequantize or entry.dtype == "int32"):
-            tensor = _find_constant(entry.name, info)
-            quantized = quantize_rows(_constant_rows(tensor, self.base), tuple(tensor.dims), entry, entry.effective_scale())
-            external = tensor.data_location == onnx.TensorProto.EXTERNAL
-            stored = self.add_init(graph, f"{entry.name}_q", quantized, replaces_external=external)
-            nodes.append(helper.make_node("DequantizeLinear", [stored, scale, zp], [qdq_name],
-                                          name=self.name(f"{entry.name}_dq"), doc_string=f"onnxport: encodes {entry.name}", **attrs))
-            self.dead_constants.add(entry.name)
+            tensor = const_tensor(value)
+            shape = tuple(int(d) for d in tensor.shape)
+            quantized = quantize_rows(_constant_rows(tensor), shape, entry, entry.effective_scale())
+            stored = self.add_init(graph, f"{entry.name}_q", quantized, replaces_external=isinstance(tensor, ir.ExternalTensor))
+            dequantized = ir.Value(name=self.name(f"{entry.name}_qdq"))
+            nodes.append(ir.node("DequantizeLinear", [stored, scale, zp], attrs, outputs=[dequantized],
+                                 name=self.name(f"{entry.name}_dq"), doc_string=mark))
+            self.replaced.append(value)
+            quantizer = None
         else:
             if entry.dtype == "int32":
                 raise InvalidArgumentError(
                     f"Encoding of '{entry.name}': int32 is dequantize-only (a bias stored prequantized), but "
                     f"'{entry.name}' is not a constant."
                 )
-            if entry.name in outputs:
-                # Keep the graph's output names: the producer's value is renamed and the DQ takes the name.
-                source = self.name(f"{entry.name}_float")
-                for node in graph.node:
-                    for i, out in enumerate(node.output):
-                        if out == entry.name:
-                            node.output[i] = source
-                qdq_name = entry.name
-            q_out = self.name(f"{entry.name}_q")
-            nodes.append(helper.make_node("QuantizeLinear", [source, scale, zp], [q_out], name=self.name(f"{entry.name}_q"), **attrs))
-            nodes.append(helper.make_node("DequantizeLinear", [q_out, scale, zp], [qdq_name],
-                                          name=self.name(f"{entry.name}_dq"), doc_string=f"onnxport: encodes {entry.name}", **attrs))
-        if qdq_name != entry.name:
-            self.rewire(graph, entry.name, qdq_name, skip=nodes)
-        graph.node.extend(nodes)
-
-    def rewire(self, graph: onnx.GraphProto, old: str, new: str, skip: list[onnx.NodeProto]) -> None:
-        for inner in walk_graphs(graph):
-            for node in inner.node:
-                if any(node is s for s in skip):
-                    continue
-                for i, name in enumerate(node.input):
-                    if name == old:
-                        node.input[i] = new
+            # A graph output keeps its name: the producer's value is renamed and the DQ takes the name.
+            output = value in graph.outputs
+            out_name = entry.name if output else self.name(f"{entry.name}_qdq")
+            if output:
+                value.name = self.name(f"{entry.name}_float")
+            quantized_value = ir.Value(name=self.name(f"{entry.name}_q"))
+            quantizer = ir.node("QuantizeLinear", [value, scale, zp], attrs, outputs=[quantized_value],
+                                name=self.name(f"{entry.name}_q"))
+            # typed like the tensor it stands for: a graph output must say its type
+            dequantized = ir.Value(name=out_name, type=value.type,
+                                   shape=value.shape.copy() if value.shape is not None else None)
+            nodes += [quantizer, ir.node("DequantizeLinear", [quantized_value, scale, zp], attrs, outputs=[dequantized],
+                                         name=self.name(f"{entry.name}_dq"), doc_string=mark)]
+        for user, index in list(value.uses()):
+            if user is not quantizer:
+                user.replace_input_with(index, dequantized)
+        if quantizer is not None and dequantized.name == entry.name:
+            for position, out in enumerate(graph.outputs):
+                if out is value:
+                    graph.outputs[position] = dequantized
+        graph.extend(nodes)
 
     def finish(self) -> None:
         """Drop the float constants the prequantized ones replaced (where nothing reads them any
-        more) and put every graph in topological order — with onnx_ir as the index of the proto,
-        so that no weight is copied."""
-        for proto_graph, ir_graph in _ir_index(self.model)[1]:
-            unread = {
-                v.name for v in ir_graph.initializers.values()
-                if v.name in self.dead_constants and not v.uses() and not v.is_graph_output()
-            } | {
-                n.outputs[0].name for n in ir_graph
-                if n.op_type == "Constant" and n.outputs[0].name in self.dead_constants and not n.outputs[0].uses()
-                and not n.outputs[0].is_graph_output()
-            }
-            # Deleted in place: re-adding the kept ones would copy every weight held in memory.
-            for index in reversed(range(len(proto_graph.initializer))):
-                if proto_graph.initializer[index].name in unread:
-                    del proto_graph.initializer[index]
-            for index in reversed(range(len(proto_graph.node))):
-                node = proto_graph.node[index]
-                if node.op_type == "Constant" and node.output[0] in unread:
-                    del proto_graph.node[index]
-        _sort_in_place(self.model)
-
-
-def _ir_index(model: onnx.ModelProto) -> tuple[ir.Model, list[tuple[onnx.GraphProto, ir.Graph]]]:
-    """Each graph of ``model`` (bodies too) beside its onnx_ir view, node for node.
-
-    ``ir.from_proto`` wraps the tensors without copying them, so the view is cheap; the proto
-    stays the model that is edited and returned.
-    """
-    pairs: list[tuple[onnx.GraphProto, ir.Graph]] = []
-
-    def pair(proto_graph: onnx.GraphProto, ir_graph: ir.Graph) -> None:
-        pairs.append((proto_graph, ir_graph))
-        for proto_node, ir_node in zip(proto_graph.node, ir_graph):
-            for attr in proto_node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    pair(attr.g, ir_node.attributes[attr.name].as_graph())
-                elif attr.type == onnx.AttributeProto.GRAPHS:
-                    for inner, ir_inner in zip(attr.graphs, ir_node.attributes[attr.name].as_graphs()):
-                        pair(inner, ir_inner)
-
-    view = ir.from_proto(model)
-    pair(model.graph, view.graph)
-    return view, pairs
-
-
-def _sort_in_place(model: onnx.ModelProto) -> None:
-    """Reorder every graph's nodes (bodies too) as onnx_ir's ``TopologicalSortPass`` orders them."""
-    view, pairs = _ir_index(model)
-    position = {id(node): index for _, ir_graph in pairs for index, node in enumerate(ir_graph)}
-    TopologicalSortPass()(view)
-    # Bodies before the graphs that hold them: replacing a graph's nodes copies each node, so a
-    # body reordered after its If node moved would be edited on a copy the model no longer holds.
-    for proto_graph, ir_graph in reversed(pairs):
-        order = [position[id(node)] for node in ir_graph]
-        if order != sorted(order):
-            nodes = [proto_graph.node[i] for i in order]
-            del proto_graph.node[:]
-            proto_graph.node.extend(nodes)
+        more) and put every graph in topological order."""
+        drop_unread_constants(self.replaced)
+        TopologicalSortPass()(self.model)
 
 
 def _narrowest(values: np.ndarray) -> str:
@@ -457,18 +399,29 @@ def required_opset(entries: list[Encoding]) -> int:
     return need
 
 
-def _raise_opset(model: onnx.ModelProto, need: int) -> onnx.ModelProto:
+def _raise_opset(model: ir.Model, need: int) -> ir.Model:
+    """The model at opset ``need``, raised by ONNX's version converter (on the model's header:
+    weights left on disk stay there, and keep their folder)."""
     current = opset_of(model)
     if current >= need:
         return model
+    folders = {t.name: t.base_dir for t in _tensors(model) if isinstance(t, ir.ExternalTensor)}
     try:
-        upgraded = onnx.version_converter.convert_version(model, need)
+        upgraded = ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), need))
     except Exception as error:
         raise InvalidArgumentError(
             f"These encodings need opset {need}, and ONNX's version converter could not raise this model from "
             f"opset {current}: {error}"
         ) from error
+    for tensor in _tensors(upgraded):
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.base_dir = folders.get(tensor.name, "")
     return upgraded
+
+
+def _tensors(model: ir.Model):
+    for graph in graphs(model):
+        yield from (v.const_value for v in graph.initializers.values() if v.const_value is not None)
 
 
 # -- the public function -----------------------------------------------------------------------------------
@@ -521,11 +474,11 @@ def encodings_to_onnx_qdq(
         )
     # the whole file, before the graph
     data = load_encodings(encodings)
-    work, base = _load_model(model)  # names and shapes only: weights stay on disk
+    work, proto, base = _load_model(model)  # names and shapes only: weights stay on disk
     # the whole file before the graph is touched; a name the model lacks is refused before values
-    parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=_all_names(work))
+    parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=_names(work))
     _float_gate(work)
-    info, readers, defined = _index(work)
+    info, readers, defined = _index(work, _inferred(proto))
     missing = sorted(e.name for e in parsed.entries if e.name not in info)
     if missing:  # a node's or an op's name, not a tensor's
         raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
@@ -545,13 +498,14 @@ def encodings_to_onnx_qdq(
     if derive_data_movement:
         entries += derive_encodings(work, {e.name: e for e in entries}, info)
     upgraded = _raise_opset(work, required_opset(entries))
-    if upgraded is not work:  # a new proto: index the graphs the rewrite will edit
+    if upgraded is not work:  # a new model: index the graphs the rewrite will edit
         work = upgraded
-        info, _, defined = _index(work)
+        info, _, defined = _index(work, _inferred(ir.to_proto(work)))
     # A model whose weights stay on disk gets its new large tensors (prequantized weights, 7B-scale
-    # scale grids) on disk too, in a scratch file that save_model streams from.
-    scratch = ScratchTensors() if base is not None and _has_external(work) else None
-    rewriter = _Rewriter(work, info, defined, base, scratch)
+    # scale grids) on disk too, in a scratch file that save_model copies from.
+    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in _tensors(work))
+    scratch = ScratchTensors() if on_disk else None
+    rewriter = _Rewriter(work, info, defined, scratch)
     try:
         with tqdm(total=len(entries), desc="encodings → Q/DQ", unit="tensor", leave=False, disable=None) as bar:
             queue = collections.deque(entries)
@@ -563,13 +517,16 @@ def encodings_to_onnx_qdq(
         if scratch is not None:
             scratch.close()
     rewriter.finish()
-    props = [p for p in work.metadata_props if p.key not in ("producer", EXTERNAL_BASE_KEY)]
-    del work.metadata_props[:]
-    work.metadata_props.extend(props)
-    work.metadata_props.add(key="producer", value="onnxport")
-    if base is not None and _has_external(work):
-        work.metadata_props.add(key=EXTERNAL_BASE_KEY, value=str(base.resolve()))
-    _check(work, base)
+    work.metadata_props.pop(EXTERNAL_BASE_KEY, None)
+    work.metadata_props.pop("producer", None)
+    work.metadata_props["producer"] = "onnxport"
+    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in _tensors(work))
+    if on_disk:
+        work.metadata_props[EXTERNAL_BASE_KEY] = str(base.resolve())
+    _check(work)
+    result = ir.to_proto(work)
+    if scratch is not None:
+        scratch.mark(result)
     if parsed.omitted:
         names = sorted(parsed.omitted)
         warnings.warn(
@@ -578,43 +535,34 @@ def encodings_to_onnx_qdq(
             OmittedEncodingsWarning,
             stacklevel=2,
         )
-    return work
+    return result
 
 
-def _check(model: onnx.ModelProto, base: Path | None) -> None:
-    """onnx.checker on the result, without reading weights that were never loaded.
-
-    The checker insists on reading an external file beside the model; unloaded weights are
-    checked instead when the result is saved (``save_model`` checks the written file).
-    """
-    if not _has_external(model):
-        _checked(model)
-        return
-    shell = onnx.ModelProto()
-    shell.CopyFrom(model)
-    for graph in walk_graphs(shell.graph):
-        for tensor in graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                del tensor.external_data[:]
-                tensor.data_location = onnx.TensorProto.DEFAULT
-                del tensor.dims[:]
-                tensor.dims.append(0)
-                tensor.raw_data = b""
-    _checked(shell)
+def _names(model: ir.Model) -> set[str]:
+    """Every value, node and initializer name used anywhere in the model."""
+    names = taken_names(model) | {v.name for g in graphs(model) for v in g.initializers.values()}
+    names.discard("")
+    return names
 
 
-def _checked(model: onnx.ModelProto) -> None:
-    """onnx.checker, bodies included (their order too); a model it rejects is never returned.
-    (Not its shape inference: a user's model need not pass that to be converted exactly.)"""
+def _check(model: ir.Model) -> None:
+    """onnx.checker on the result, bodies included (their order too), without reading weights
+    left on disk (onnx_ir's ``CheckerPass`` checks the graph with its initializers set aside;
+    ``save_model`` checks the written file, weights and all). A model it rejects is never
+    returned. (Not its shape inference: a user's model need not pass that to be converted exactly.)"""
+    # Weights on disk are set aside as CheckerPass sets aside large ones: the checker would look
+    # for their files beside the working directory.
+    on_disk = [(v, v.const_value) for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
     try:
-        onnx.checker.check_model(model)
+        for value, _ in on_disk:
+            value.const_value = None
+        CheckerPass()(model)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         raise ExportRefusedError(
             f"The converted model does not pass onnx.checker, so it was not returned: "
             f"{str(error).strip().splitlines()[0]} This is a defect in onnxport's conversion; please report it "
             f"with the model and encodings."
         ) from error
-
-
-def _has_external(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for g in walk_graphs(model.graph) for t in g.initializer)
+    finally:
+        for value, tensor in on_disk:
+            value.const_value = tensor

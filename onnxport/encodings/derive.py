@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx.defs
+import onnx_ir as ir
 
-from .._io import walk_graphs
-from .._ir import opset_of
+from .._ir import graphs, is_default, opset_of
 from .axes import TensorInfo
 from .formats import Encoding, ScaleMeta
 
@@ -27,7 +27,7 @@ DATA_MOVEMENT = {
 }
 
 
-def _float_slots(node: onnx.NodeProto, opset: int) -> tuple[list[int], list[int]]:
+def _float_slots(node: ir.Node, opset: int) -> tuple[list[int], list[int]]:
     """Indices of the inputs and outputs whose type can be float, from the operator's schema."""
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
@@ -49,7 +49,11 @@ def _float_slots(node: onnx.NodeProto, opset: int) -> tuple[list[int], list[int]
                 result.append(i)
         return result
 
-    return slots(schema.inputs, list(node.input)), slots(schema.outputs, list(node.output))
+    return slots(schema.inputs, _names(node.inputs)), slots(schema.outputs, _names(node.outputs))
+
+
+def _names(values) -> list[str]:
+    return [v.name or "" if v is not None else "" for v in values]
 
 
 def _per_tensor(e: Encoding | None) -> bool:
@@ -67,7 +71,7 @@ def _same(a: Encoding, b: Encoding) -> bool:
 PARAMETER_MOVERS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 
 
-def _moved_axis(node: onnx.NodeProto, axis: int, before: tuple[int, ...], after: tuple[int, ...] | None) -> int | None:
+def _moved_axis(node: ir.Node, axis: int, before: tuple[int, ...], after: tuple[int, ...] | None) -> int | None:
     """Where axis ``axis`` of the input lands in the output, or None when it does not survive whole."""
     if node.op_type == "Transpose":
         return _perm(node, len(before)).index(axis)
@@ -78,7 +82,7 @@ def _moved_axis(node: onnx.NodeProto, axis: int, before: tuple[int, ...], after:
     return found[0] if len(found) == 1 else None
 
 
-def _moved_parameter(node: onnx.NodeProto, e: Encoding, before: tuple[int, ...] | None,
+def _moved_parameter(node: ir.Node, e: Encoding, before: tuple[int, ...] | None,
                      after: tuple[int, ...] | None, name: str) -> Encoding | None:
     """The encoding of a weight moved by ``node``, re-laid for the moved tensor, or None."""
     if e.dtype == "int32":
@@ -110,23 +114,23 @@ def _moved_parameter(node: onnx.NodeProto, e: Encoding, before: tuple[int, ...] 
     return moved.with_(axis=axis, meta=new_meta, zero_point=grid(e.zero_point))
 
 
-def _perm(node: onnx.NodeProto, rank: int) -> list[int]:
-    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None) or list(range(rank))[::-1]
+def _perm(node: ir.Node, rank: int) -> list[int]:
+    return list(node.attributes.get_ints("perm") or ()) or list(range(rank))[::-1]
 
 
-def derive_encodings(model: onnx.ModelProto, known: dict[str, Encoding], info: dict[str, TensorInfo]) -> list[Encoding]:
+def derive_encodings(model: ir.Model, known: dict[str, Encoding], info: dict[str, TensorInfo]) -> list[Encoding]:
     """New encodings for data-movement tensors, from their neighbours (two sweeps, both ways)."""
     opset = opset_of(model)
     encodings = dict(known)
     derived: dict[str, Encoding] = {}
-    for graph in walk_graphs(model.graph):
+    for graph in graphs(model):
         readers: dict[str, int] = {}
-        for node in graph.node:
-            for name in node.input:
+        for node in graph:
+            for name in _names(node.inputs):
                 if name:
                     readers[name] = readers.get(name, 0) + 1
-        outputs = {o.name for o in graph.output}
-        movers = [n for n in graph.node if n.op_type in DATA_MOVEMENT and n.domain in ("", "ai.onnx")]
+        outputs = {o.name for o in graph.outputs}
+        movers = [n for n in graph if n.op_type in DATA_MOVEMENT and is_default(n)]
 
         def computed(name: str) -> bool:
             t = info.get(name)
@@ -138,22 +142,22 @@ def derive_encodings(model: onnx.ModelProto, known: dict[str, Encoding], info: d
 
         moved_weights: set[str] = set()
         for node in movers:  # graph order, so chains (Transpose then Reshape) follow
-            source = node.input[0] if node.input else ""
+            source = _names(node.inputs[:1])[0] if node.inputs else ""
             tensor = info.get(source)
             weight = tensor is not None and (tensor.is_constant or source in moved_weights)
             if (node.op_type in PARAMETER_MOVERS and weight and source in encodings
-                    and computed(node.output[0]) and node.output[0] not in encodings):
-                after = info[node.output[0]].dims
-                derived_entry = _moved_parameter(node, encodings[source], tensor.dims, after, node.output[0])
+                    and computed(node.outputs[0].name) and node.outputs[0].name not in encodings):
+                after = info[node.outputs[0].name].dims
+                derived_entry = _moved_parameter(node, encodings[source], tensor.dims, after, node.outputs[0].name)
                 if derived_entry is not None:
-                    encodings[node.output[0]] = derived[node.output[0]] = derived_entry
-                    moved_weights.add(node.output[0])
+                    encodings[node.outputs[0].name] = derived[node.outputs[0].name] = derived_entry
+                    moved_weights.add(node.outputs[0].name)
 
         for order in (movers, list(reversed(movers))):
             for node in order:
                 ins, outs = _float_slots(node, opset)
-                in_names = [node.input[i] for i in ins if computed(node.input[i])]
-                out_names = [node.output[i] for i in outs if computed(node.output[i])]
+                in_names = [n for n in (_names(node.inputs)[i] for i in ins) if computed(n)]
+                out_names = [n for n in (_names(node.outputs)[i] for i in outs) if computed(n)]
                 if not in_names or not out_names:
                     continue
                 out_encs = [encodings.get(n) for n in out_names]
