@@ -1,5 +1,6 @@
-"""``python -m bench llm``: decoders with a key/value cache — ours (fp32, int4) against
-onnxruntime-genai's model builder from the same ``save_pretrained`` folder, and PyTorch eager.
+"""``python -m bench llm``: decoders with a key/value cache — ours (fp32, int4, each portable and
+``'ort-cpu'``, and fp16) against onnxruntime-genai's model builder from the same
+``save_pretrained`` folder, and PyTorch eager.
 
 Llama-shaped models with random weights at three sizes (up to TinyLlama's 1.1B), a 128-token
 prompt, 64 new tokens, batch 1, greedy. Every file is timed in a fresh process of its own; the
@@ -11,7 +12,8 @@ embedding table — ÷ time per token) against this machine's memory-copy bandwi
 onnxruntime-genai needs its own environment (its builder imports a newer transformers than some
 pins allow; it needs a tokenizer, built here locally): point ``ONNXPORT_BENCH_GENAI_PYTHON`` at a
 Python with ``onnxruntime-genai``, ``torch``, ``transformers``, ``onnx`` and ``onnx-ir``; without it
-the builder's columns are skipped. ``ONNXPORT_BENCH_LLM_SIZES`` picks sizes by index ("0,1").
+the builder's columns are skipped. ``ONNXPORT_BENCH_LLM_SIZES`` picks sizes by index ("0,1"),
+``ONNXPORT_BENCH_LLM_OURS`` our files ("fp32,int4:ort-cpu").
 The bench also runs our folder (with its ``genai_config.json``) in onnxruntime-genai's generator
 and checks its tokens equal ``onnxport.generate``'s.
 """
@@ -39,6 +41,10 @@ SIZES = {
                                      "num_attention_heads": 32, "num_key_value_heads": 4},
 }
 VOCAB = 32000
+#: our files, (precision, flavour); ONNXPORT_BENCH_LLM_OURS="fp32,int4,int4:ort-cpu" picks some
+OURS = [("fp32", "portable"), ("int4", "portable"), ("fp32", "ort-cpu"), ("int4", "ort-cpu"), ("fp16", "portable")]
+if os.environ.get("ONNXPORT_BENCH_LLM_OURS"):
+    OURS = [tuple((item + ":portable").split(":")[:2]) for item in os.environ["ONNXPORT_BENCH_LLM_OURS"].split(",")]
 
 _PEAK = r"""
 def peak():
@@ -51,11 +57,11 @@ def peak():
 _EXPORT = _PEAK + r"""
 import json, sys, time, warnings
 from onnxport import export_decoder
-folder, out, precision = sys.argv[1:4]
+folder, out, precision, flavour = sys.argv[1:5]
 start = time.perf_counter()
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    result = export_decoder(folder, out, precision=precision)
+    result = export_decoder(folder, out, precision=precision, flavour=flavour)
 print(json.dumps({"export_s": time.perf_counter() - start, "peak": peak(), "token_agreement": result.token_agreement,
                   "fusions": result.fusions}))
 """
@@ -182,14 +188,15 @@ def _one(name: str, config: dict, scratch: Path, genai_python: str | None, bandw
     float_bytes = _build(config, hf)
     result: dict = {"float_bytes": float_bytes, "exports": {}, "runs": {}}
     files: dict[str, tuple[str, Path, str]] = {}  # label -> (runner, folder or file, weights file prefix)
-    for precision in ("fp32", "int4"):
-        out = scratch / f"ours-{precision}"
-        figures = _python(_EXPORT, hf, out, precision)
+    for precision, flavour in OURS:
+        label = f"ours {precision}" + (f" {flavour}" if flavour != "portable" else "")
+        out = scratch / label.replace(" ", "-")
+        figures = _python(_EXPORT, hf, out, precision, flavour)
         if "peak" in figures:
             figures["peak_vs_float_weights"] = figures["peak"] / float_bytes
-        result["exports"][f"ours {precision}"] = figures
+        result["exports"][label] = figures
         if "error" not in figures:
-            files[f"ours {precision}"] = ("ours", out / "model.onnx", "model.onnx")
+            files[label] = ("ours", out / "model.onnx", "model.onnx")
     if genai_python:
         for precision in ("fp32", "int4"):
             out = scratch / f"genai-{precision}"
@@ -278,8 +285,10 @@ def report(results: dict) -> str:
                 f"{export.get('peak_vs_float_weights', float('nan')):.2f} |"
             )
         runs = entry["runs"]
-        for ours, theirs in (("ours int4", "genai builder int4"), ("ours fp32", "genai builder fp32"),
-                             ("ours int4", "pytorch eager fp32"), ("ours fp32", "pytorch eager fp32")):
+        for ours, theirs in (("ours int4", "genai builder int4"), ("ours int4 ort-cpu", "genai builder int4"),
+                             ("ours fp32", "genai builder fp32"), ("ours fp32 ort-cpu", "genai builder fp32"),
+                             ("ours int4", "pytorch eager fp32"), ("ours fp32", "pytorch eager fp32"),
+                             ("ours fp16", "ours fp32")):
             a, b = runs.get(ours, {}), runs.get(theirs, {})
             if "decode_tok_s" in a and "decode_tok_s" in b:
                 lines.append(f"  {name}: {ours} / {theirs}: decode {a['decode_tok_s'] / b['decode_tok_s']:.2f}x tokens/s, "

@@ -24,7 +24,7 @@ from .errors import InvalidArgumentError, UnsafeExternalDataError, WriteError
 
 #: Protobuf cannot serialise a message of 2 GiB or more; bigger models keep their weights outside.
 PROTOBUF_LIMIT = 2**31 - 1
-_EXTERNAL_SIZE_THRESHOLD = 1024  # tensors smaller than this stay inside the .onnx file
+EXTERNAL_SIZE_THRESHOLD = 1024  # tensors smaller than this stay inside the .onnx file
 #: weights above this many bytes go to external data: room for the graph itself under the limit
 EXTERNAL_DATA_BYTES = PROTOBUF_LIMIT - 64 * 1024 * 1024
 
@@ -279,39 +279,6 @@ def check_external_data(model: onnx.ModelProto, base: str | os.PathLike | None) 
                 f"Tensor '{tensor.name}' lives at bytes {offset}..{need} of '{file}', which holds only {size} bytes: "
                 f"the external data is truncated or belongs to another model."
             )
-
-
-def save_ir(model: Any, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
-    """Write an ``onnx_ir`` model with ``ir.save`` (not atomic: use inside :func:`staged_output`).
-
-    Tensors stream to the file one by one, including lazily loaded external ones, so writing
-    costs no copy of the weights. ``external_data=None`` stores weights in ``<name>.data`` beside
-    the file only when they would not fit one protobuf; ``True`` or ``False`` forces the choice.
-    """
-    import onnx_ir as ir
-
-    path = Path(path)
-    if external_data is None:
-        size, lazy = _ir_tensor_bytes(model)
-        # a lazily loaded tensor is copied into this file's own data, never left pointing elsewhere
-        external_data = lazy or size > EXTERNAL_DATA_BYTES
-    ir.save(model, path, external_data=path.name + ".data" if external_data else None,
-            size_threshold_bytes=_EXTERNAL_SIZE_THRESHOLD - 1)  # ir.save moves tensors above it; onnx, those at it too
-    return path
-
-
-def _ir_tensor_bytes(model: Any) -> tuple[int, bool]:
-    """Bytes of every constant (initializers and tensor attributes, subgraphs included), and
-    whether any of them is an external tensor still on disk."""
-    import onnx_ir as ir
-
-    total, lazy = 0, False
-    for graph in (model.graph, *model.graph.subgraphs()):
-        tensors = [v.const_value for v in graph.initializers.values() if v.const_value is not None]
-        tensors += [a.as_tensor() for node in graph for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR]
-        total += sum(t.nbytes for t in tensors)
-        lazy = lazy or any(isinstance(t, ir.ExternalTensor) for t in tensors)
-    return total, lazy
 
 
 @contextlib.contextmanager

@@ -19,11 +19,12 @@ import onnx_ir as ir
 from ._io import (
     BASEPATH_KEY,
     EXTERNAL_BASE_KEY,
+    EXTERNAL_DATA_BYTES,
+    EXTERNAL_SIZE_THRESHOLD,
     check_external_data,
     external_folder,
     has_unloaded_external_data,
     read_onnx,
-    save_ir,
 )
 from .errors import InvalidArgumentError
 
@@ -153,14 +154,15 @@ def read_model(
             if own or base is not None:
                 folders[tensor.name] = external_folder(tensor, base)
     model = ir.from_proto(proto)
-    for tensor in _tensors(model):
+    for tensor in tensors(model):
         if isinstance(tensor, ir.ExternalTensor):
             folder = folders.get(tensor.name)
             tensor.base_dir = str(folder) if folder is not None else ""
     return model, base
 
 
-def _tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+def tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+    """Every constant tensor: initializers and tensor attributes, bodies included (data not loaded)."""
     for graph in graphs(model):
         yield from (v.const_value for v in graph.initializers.values() if v.const_value is not None)
         for node in graph:
@@ -249,3 +251,23 @@ def write_model(model: onnx.ModelProto, path: str | os.PathLike, *, external_dat
     work, _ = read_model(model)
     work.metadata_props.pop(EXTERNAL_BASE_KEY, None)
     return save_ir(work, path, external_data=True if unloaded else external_data)
+
+
+def save_ir(model: ir.Model, path: str | os.PathLike, *, external_data: bool | None = None) -> Path:
+    """Write an ``onnx_ir`` model with ``ir.save`` (not atomic: use inside ``staged_output``).
+
+    Tensors stream to the file one by one, including lazily loaded external ones, so writing
+    costs no copy of the weights. ``external_data=None`` stores weights in ``<name>.data`` beside
+    the file only when they would not fit one protobuf (or some are still on disk: they are
+    copied into this file's own data, never left pointing elsewhere); ``True`` or ``False``
+    forces the choice.
+    """
+    path = Path(path)
+    if external_data is None:
+        found = list(tensors(model))
+        external_data = (any(isinstance(t, ir.ExternalTensor) for t in found)
+                         or sum(t.nbytes for t in found) > EXTERNAL_DATA_BYTES)
+    # ir.save moves the tensors above its threshold, onnx those at it too: the same files either way
+    ir.save(model, path, external_data=path.name + ".data" if external_data else None,
+            size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
+    return path

@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm.add_argument("folder", metavar="FOLDER", help="the folder save_pretrained wrote (config.json, weights)")
     llm.add_argument("-o", "--output", required=True, metavar="OUTDIR",
                      help="folder for model.onnx (+ .data), genai_config.json and the tokenizer files")
-    llm.add_argument("--precision", default="fp32", choices=("fp32", "int4", "int8"))
+    llm.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "int4", "int8"))
     llm.add_argument("--flavour", default="portable", choices=("portable", "ort-cpu"),
                      help="standard ONNX operators, or ONNX Runtime's CPU fusions")
     llm.add_argument("--group-size", type=int, default=32, help="int4/int8: input features per scale")

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from . import _checks
 from ._axes import Axes, describe, file_axes_problems, second_size
-from ._io import save_ir
+from ._ir import save_ir
 from .errors import ExportRefusedError
 
 

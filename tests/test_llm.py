@@ -7,6 +7,7 @@ a batch of two prompts, the second padded on the left.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -23,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from onnxport import DecoderFile, export_decoder, generate
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
+from onnxport.llm.model import past_names
 from onnxport.passes.ort_fusions import OrtFusionPass
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,11 +180,16 @@ def _sequences(n: int, length: int, generator: torch.Generator) -> torch.Tensor:
     return (start + step * torch.arange(length)) % 32
 
 
+@pytest.fixture(scope="module")
+def trained_llama() -> torch.nn.Module:
+    return _train_sequence_model()
+
+
 @pytest.mark.slow
-def test_int4_decoder_of_a_trained_model_generates_its_tokens(tmp_path):
+def test_int4_decoder_of_a_trained_model_generates_its_tokens(trained_llama, tmp_path):
     from onnxport.quantize.weight_only import quantize_weight_only
 
-    model = _train_sequence_model()
+    model = trained_llama
     result = export_decoder(model, tmp_path / "int4.onnx", precision="int4", group_size=32)
     assert result.agreement and result.token_agreement == 1.0
     file = onnx.load_model(str(result), load_external_data=False)
@@ -200,6 +207,30 @@ def test_int4_decoder_of_a_trained_model_generates_its_tokens(tmp_path):
     agreement = float((got[:, 6:] == expected.numpy()[:, 6:]).mean())
     assert agreement == 1.0, f"int4 file vs the torchao model: {agreement:.1%} of greedy tokens agree"
     assert (got == truth.numpy()).all(), "the int4 file no longer continues the sequences"
+
+
+@pytest.mark.slow
+def test_fp16_decoder_of_a_trained_model_generates_what_the_half_model_generates(trained_llama, tmp_path):
+    model = trained_llama
+    result = export_decoder(model, tmp_path / "fp16.onnx", precision="fp16")
+    assert next(model.parameters()).dtype == torch.float32  # the model given is left as it was
+    assert result.agreement and result.token_agreement == 1.0
+    file = onnx.load_model(str(result), load_external_data=False)
+    f16 = onnx.TensorProto.FLOAT16
+    assert {v.name: v.type.tensor_type.elem_type for v in file.graph.input if v.name.startswith("past_key_values")} \
+        == {name: f16 for name in past_names(2)}
+    assert {v.type.tensor_type.elem_type for v in file.graph.output} == {f16}  # logits and the cache
+    assert all(t.data_type in (f16, onnx.TensorProto.INT64) for t in file.graph.initializer if len(t.dims) == 2)
+
+    prompts = _sequences(4, 6, torch.Generator().manual_seed(5))
+    truth = _sequences(4, 6 + 24, torch.Generator().manual_seed(5))
+    half = copy.deepcopy(model).half()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = half.generate(input_ids=prompts, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    got = generate(result, prompts, max_new_tokens=24)
+    np.testing.assert_array_equal(got, expected.numpy())
+    assert (got == truth.numpy()).all(), "the fp16 file no longer continues the sequences"
 
 
 def test_seeded_sampling_repeats_and_seeds_differ(ort_cpu_llama):

@@ -27,6 +27,7 @@ from .._ir import (
     read_model,
     read_values,
     taken_names,
+    tensors,
     unique_name,
 )
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportWarning
@@ -405,7 +406,7 @@ def _raise_opset(model: ir.Model, need: int) -> ir.Model:
     current = opset_of(model)
     if current >= need:
         return model
-    folders = {t.name: t.base_dir for t in _tensors(model) if isinstance(t, ir.ExternalTensor)}
+    folders = {t.name: t.base_dir for t in tensors(model) if isinstance(t, ir.ExternalTensor)}
     try:
         upgraded = ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), need))
     except Exception as error:
@@ -413,15 +414,10 @@ def _raise_opset(model: ir.Model, need: int) -> ir.Model:
             f"These encodings need opset {need}, and ONNX's version converter could not raise this model from "
             f"opset {current}: {error}"
         ) from error
-    for tensor in _tensors(upgraded):
+    for tensor in tensors(upgraded):
         if isinstance(tensor, ir.ExternalTensor):
             tensor.base_dir = folders.get(tensor.name, "")
     return upgraded
-
-
-def _tensors(model: ir.Model):
-    for graph in graphs(model):
-        yield from (v.const_value for v in graph.initializers.values() if v.const_value is not None)
 
 
 # -- the public function -----------------------------------------------------------------------------------
@@ -503,7 +499,7 @@ def encodings_to_onnx_qdq(
         info, _, defined = _index(work, _inferred(ir.to_proto(work)))
     # A model whose weights stay on disk gets its new large tensors (prequantized weights, 7B-scale
     # scale grids) on disk too, in a scratch file that save_model copies from.
-    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in _tensors(work))
+    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in tensors(work))
     scratch = ScratchTensors() if on_disk else None
     rewriter = _Rewriter(work, info, defined, scratch)
     try:
@@ -520,7 +516,7 @@ def encodings_to_onnx_qdq(
     work.metadata_props.pop(EXTERNAL_BASE_KEY, None)
     work.metadata_props.pop("producer", None)
     work.metadata_props["producer"] = "onnxport"
-    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in _tensors(work))
+    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in tensors(work))
     if on_disk:
         work.metadata_props[EXTERNAL_BASE_KEY] = str(base.resolve())
     _check(work)

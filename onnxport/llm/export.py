@@ -3,6 +3,8 @@ by decoding with it against the model."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +36,7 @@ from .model import (
     position_ids_for,
 )
 
-PRECISIONS = ("fp32", "int4", "int8")
+PRECISIONS = ("fp32", "fp16", "int4", "int8")
 FLAVOURS = ("portable", "ort-cpu")
 #: fp32 decoders' default opset: the oldest the exporter writes, read by every ORT since 1.14.
 DEFAULT_OPSET = 18
@@ -132,8 +134,8 @@ def _sample(shape: DecoderShape, batch: int, length: int, past: int, seed: int) 
     ids = torch.randint(0, shape.vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, past + length, dtype=torch.int64)
     positions = torch.arange(past, past + length).expand(batch, length).contiguous()
-    cache = [torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=generator) * 0.5
-             for _ in range(2 * shape.layers)]
+    cache = [(torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=generator) * 0.5)
+             .to(getattr(torch, shape.cache_dtype)) for _ in range(2 * shape.layers)]
     return (ids, mask, positions, *cache)
 
 
@@ -172,7 +174,7 @@ def torch_step(model: torch.nn.Module, shape: DecoderShape):
 
 
 def _empty(shape: DecoderShape, batch: int) -> list[np.ndarray]:
-    return [np.zeros((batch, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
+    return [np.zeros((batch, shape.kv_heads, 0, shape.head_dim), shape.cache_dtype) for _ in range(2 * shape.layers)]
 
 
 def _reference_decoding(model: torch.nn.Module, shape: DecoderShape) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -244,9 +246,11 @@ def export_decoder(
         output_path: a ``.onnx`` file, or a folder that receives ``model.onnx`` (and
             ``model.onnx.data``), a ``genai_config.json`` for onnxruntime-genai and the folder's
             tokenizer files. It holds a complete, proven file or is left as it was.
-        precision: ``'fp32'``; ``'int4'`` or ``'int8'``: the faithful weight-only file — every
-            Linear's weights are torchao's integers (symmetric, ``group_size`` per scale) as
-            ``DequantizeLinear``, which ONNX Runtime fuses into ``MatMulNBits``.
+        precision: ``'fp32'``; ``'fp16'``: the model in float16 (weights, cache and logits; the
+            proof holds it to ``model.half()``, and the given model is not changed); ``'int4'`` or
+            ``'int8'``: the faithful weight-only file — every Linear's weights are torchao's
+            integers (symmetric, ``group_size`` per scale) as ``DequantizeLinear``, which ONNX
+            Runtime fuses into ``MatMulNBits``.
         flavour: ``'portable'`` (standard ONNX operators) or ``'ort-cpu'`` (ONNX Runtime's CPU
             fusions: SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
             MultiHeadAttention, … counted in the result's ``fusions``).
@@ -258,14 +262,15 @@ def export_decoder(
         A :class:`DecoderFile`: the path, the fusions, and the proof's figures. The proof
         decodes two prompts (one left-padded) for 8 greedy tokens with the file and with the
         model, feeding both the model's tokens: every step's logits must agree (fp32: within
-        ``1e-4`` of the logits' scale; int4/int8: cosine ≥ 0.9999 with the torchao model),
+        ``1e-4`` of the logits' scale; fp16: cosine ≥ 0.9999 with the half model; int4/int8:
+        cosine ≥ 0.9999 with the torchao model),
         at ONNX Runtime's unoptimised level; the default level is measured and reported.
     """
     from tqdm.auto import tqdm
 
     check_choice(precision, PRECISIONS, "precision")
     check_choice(flavour, FLAVOURS, "flavour")
-    lowest = DEFAULT_OPSET if precision == "fp32" else WEIGHT_ONLY_OPSET
+    lowest = WEIGHT_ONLY_OPSET if precision in ("int4", "int8") else DEFAULT_OPSET
     if opset_version is None:
         opset_version = lowest
     import onnx
@@ -286,7 +291,13 @@ def export_decoder(
         weights: list = []
         reference_model = model
         export_model = model
-        if precision != "fp32":
+        if precision == "fp16":
+            # the half model is the reference: the file computes what it computes, as a user
+            # running model.half() would see it (a copy: the model given is never changed)
+            reference_model = export_model = model.half() if source_folder is not None else _half_copy(model)
+            shape = dataclasses.replace(shape, cache_dtype="float16")
+            model = None
+        elif precision != "fp32":
             from ..qdq.weight_only import _export_copy, quantized_weights
             from ..quantize.weight_only import quantize_weight_only
 
@@ -331,6 +342,17 @@ def export_decoder(
             result.genai_config = _write_folder_extras(folder, file, shape, source_folder)
         bar.update()
     return result
+
+
+def _half_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` in float16, without a float32 copy on the way (each tensor is halved
+    straight into the copy; tied weights stay tied)."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point() and id(tensor) not in memo:
+            half = tensor.detach().to(torch.float16)
+            memo[id(tensor)] = torch.nn.Parameter(half, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else half
+    return copy.deepcopy(model, memo)
 
 
 def _own_tensors(module: torch.nn.Module) -> None:
@@ -406,7 +428,7 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
     prompt, mask = _proof_prompts(shape)
     prefill = _feeds(shape, prompt, mask, _empty(shape, 2))
     rng = np.random.default_rng(1)
-    step_past = [rng.standard_normal((2, shape.kv_heads, prompt.shape[1], shape.head_dim)).astype(np.float32)
+    step_past = [rng.standard_normal((2, shape.kv_heads, prompt.shape[1], shape.head_dim)).astype(shape.cache_dtype)
                  for _ in range(2 * shape.layers)]
     step_mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
     decode_feeds = _feeds(shape, job.tokens[:, prompt.shape[1]:prompt.shape[1] + 1], step_mask, step_past)
@@ -440,7 +462,7 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
             check_weights_faithful(path, weights)
 
         def decoding(path: Path) -> None:
-            strategy = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights else FP32_TOLERANCE
+            strategy = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights or job.precision == "fp16" else FP32_TOLERANCE
             got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
             result.agreement = _compare(got, job.reference_logits, strategy, "unoptimised")
             if not result.agreement:

@@ -41,6 +41,8 @@ class DecoderShape:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     pad_token_id: int | None
+    #: the cache's (and the logits') element type: the file computes in the model's precision
+    cache_dtype: str = "float32"
 
     @property
     def input_names(self) -> list[str]:
