@@ -577,3 +577,49 @@ def test_conv_transpose_legacy_axis_and_a_residual_transpose_chain():
                     [numpy_helper.from_array(ref_w, "up.weight")]), {"input": x})[0]
     up_q = fake_quant(up, 0.05, 128, 0, 255)
     np.testing.assert_allclose(run(q, {"input": x})[0], up_q + up_q, atol=1e-5)
+
+
+# -- the converter's passes, on hand-built graphs ---------------------------------------------------
+def _relu_model(opset: int) -> "ir.Model":
+    import onnx_ir as ir
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", T.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 4])])
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
+
+
+def test_raise_opset_pass_raises_never_lowers_and_is_idempotent():
+    from onnxport.encodings.convert import RaiseOpsetPass
+
+    raised = RaiseOpsetPass(21)(_relu_model(13))
+    assert raised.modified and raised.model.opset_imports[""] == 21
+    again = RaiseOpsetPass(21)(raised.model)
+    assert not again.modified and again.model.opset_imports[""] == 21
+    assert not RaiseOpsetPass(13)(_relu_model(17)).modified  # never lowers
+
+
+def test_insert_encodings_pass_inserts_once_and_needs_its_opset():
+    import collections
+
+    import onnx_ir as ir
+
+    from onnxport.encodings.convert import InsertEncodingsPass
+    from onnxport.encodings.formats import parse_encodings
+
+    def entries(*specs):
+        return collections.deque(parse_encodings({"version": "2.0.0", "encodings": list(specs)}).entries)
+
+    model = _relu_model(13)
+    x = {"name": "x", "output_dtype": "uint8", "y_scale": 0.05, "y_zero_point": 128}
+    assert InsertEncodingsPass(entries(x), prequantize=False, scratch=None)(model).modified
+    ops = [n.op_type for n in model.graph]
+    assert ops == ["QuantizeLinear", "DequantizeLinear", "Relu"]  # sorted: the pair before its reader
+    relu = next(n for n in model.graph if n.op_type == "Relu")
+    assert relu.inputs[0].producer().op_type == "DequantizeLinear"
+    assert not InsertEncodingsPass(entries(x), prequantize=False, scratch=None)(model).modified  # already encoded
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+    int16 = {"name": "y", "output_dtype": "uint16", "y_scale": 0.05}  # 16-bit Q/DQ is opset 21
+    with pytest.raises(ir.passes.PreconditionError, match="opset 21"):
+        InsertEncodingsPass(entries(int16), prequantize=False, scratch=None)(_relu_model(13))

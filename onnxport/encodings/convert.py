@@ -34,6 +34,7 @@ from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
 from .formats import (
     DTYPES,
+    ENCODES_MARK,
     NUMPY_TYPES,
     Encoding,
     ScaleMeta,
@@ -333,7 +334,7 @@ class _Rewriter:
             attrs["axis"] = entry.axis
         if entry.block_size:
             attrs["block_size"] = entry.block_size
-        mark = f"onnxport: encodes {entry.name}"
+        mark = f"{ENCODES_MARK}{entry.name}"
         if info.is_constant and (prequantize or entry.dtype == "int32"):
             tensor = const_tensor(value)
             shape = tuple(int(d) for d in tensor.shape)
@@ -400,24 +401,77 @@ def required_opset(entries: list[Encoding]) -> int:
     return need
 
 
-def _raise_opset(model: ir.Model, need: int) -> ir.Model:
-    """The model at opset ``need``, raised by ONNX's version converter (on the model's header:
-    weights left on disk stay there, and keep their folder)."""
-    current = opset_of(model)
-    if current >= need:
-        return model
-    folders = {t.name: t.base_dir for t in tensors(model) if isinstance(t, ir.ExternalTensor)}
-    try:
-        upgraded = ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), need))
-    except Exception as error:
-        raise InvalidArgumentError(
-            f"These encodings need opset {need}, and ONNX's version converter could not raise this model from "
-            f"opset {current}: {error}"
-        ) from error
-    for tensor in tensors(upgraded):
-        if isinstance(tensor, ir.ExternalTensor):
-            tensor.base_dir = folders.get(tensor.name, "")
-    return upgraded
+class RaiseOpsetPass(ir.passes.InPlacePass):
+    """Raise the default-domain opset to ``need`` with ONNX's version converter (on the model's
+    header: weights left on disk stay there and keep their folder); the model takes the converted
+    graph. A model already there is left alone. Never lowers (``passes.lower_opset`` does that,
+    for exporters)."""
+
+    def __init__(self, need: int) -> None:
+        super().__init__()
+        self.need = need
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        current = opset_of(model)
+        if current >= self.need:
+            return ir.passes.PassResult(model, False)
+        folders = {t.name: t.base_dir for t in tensors(model) if isinstance(t, ir.ExternalTensor)}
+        try:
+            upgraded = ir.from_proto(onnx.version_converter.convert_version(ir.to_proto(model), self.need))
+        except Exception as error:
+            raise InvalidArgumentError(
+                f"These encodings need opset {self.need}, and ONNX's version converter could not raise this model "
+                f"from opset {current}: {error}"
+            ) from error
+        for tensor in tensors(upgraded):
+            if isinstance(tensor, ir.ExternalTensor):
+                tensor.base_dir = folders.get(tensor.name, "")
+        model.graph, model.ir_version = upgraded.graph, upgraded.ir_version  # the opset imports are the graph's
+        model.functions.clear()
+        model.functions.update(upgraded.functions)
+        return ir.passes.PassResult(model, True)
+
+    def ensures(self, model: ir.Model) -> None:
+        if opset_of(model) < self.need:
+            raise ir.passes.PostconditionError(f"the model declares opset {opset_of(model)}, below {self.need}")
+
+
+class InsertEncodingsPass(ir.passes.InPlacePass):
+    """Insert the Q/DQ nodes of ``entries`` (resolved encodings, consumed as they are written:
+    a 7B model's scale grids are GBs of arrays), each where its tensor is defined, and sort the
+    graphs. A tensor already carrying its encoding (a DequantizeLinear marked as encoding it) is
+    left alone, so a second run changes nothing. ``scratch`` holds new large constants on disk."""
+
+    def __init__(self, entries: collections.deque, *, prequantize: bool, scratch: ScratchTensors | None,
+                 index: Callable[[ir.Model], tuple] | None = None) -> None:
+        super().__init__()
+        self.entries, self.prequantize, self.scratch, self.index = entries, prequantize, scratch, index
+
+    def requires(self, model: ir.Model) -> None:
+        need = required_opset(list(self.entries))
+        if opset_of(model) < need:
+            raise ir.passes.PreconditionError(f"these encodings need opset {need}; run RaiseOpsetPass({need}) first")
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        info, _, defined = self.index(model) if self.index is not None else _index(model, {})
+        encoded = {n.doc_string[len(ENCODES_MARK):] for n in _all_nodes(model) if n.doc_string and n.doc_string.startswith(ENCODES_MARK)}
+        rewriter = _Rewriter(model, info, defined, self.scratch)
+        modified = False
+        with tqdm(total=len(self.entries), desc="encodings → Q/DQ", unit="tensor", leave=False, disable=None) as bar:
+            while self.entries:
+                entry = self.entries.popleft()
+                if entry.name not in encoded:
+                    rewriter.insert(entry, self.prequantize)
+                    modified = True
+                bar.update()
+        if modified:
+            rewriter.finish()
+        return ir.passes.PassResult(model, modified)
+
+
+def _all_nodes(model: ir.Model):
+    for graph in graphs(model):
+        yield from graph
 
 
 # -- the public function -----------------------------------------------------------------------------------
@@ -493,26 +547,20 @@ def encodings_to_onnx_qdq(
     read = []
     if derive_data_movement:
         entries += derive_encodings(work, {e.name: e for e in entries}, info)
-    upgraded = _raise_opset(work, required_opset(entries))
-    if upgraded is not work:  # a new model: index the graphs the rewrite will edit
-        work = upgraded
-        info, _, defined = _index(work, _inferred(ir.to_proto(work)))
+    raised = RaiseOpsetPass(required_opset(entries))(work)
     # A model whose weights stay on disk gets its new large tensors (prequantized weights, 7B-scale
     # scale grids) on disk too, in a scratch file that save_model copies from.
     on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in tensors(work))
     scratch = ScratchTensors() if on_disk else None
-    rewriter = _Rewriter(work, info, defined, scratch)
+    # the index of the model as read, unless the opset raise made a new one (its shapes inferred again)
+    index = ((lambda m: _index(m, _inferred(ir.to_proto(m)))) if raised.modified else (lambda m: (info, readers, defined)))
+    queue = collections.deque(entries)
+    del entries  # each entry is held once: the pass drops it once written
     try:
-        with tqdm(total=len(entries), desc="encodings → Q/DQ", unit="tensor", leave=False, disable=None) as bar:
-            queue = collections.deque(entries)
-            del entries  # a 7B model's scale grids are GBs of Python-held arrays: drop each once written
-            while queue:
-                rewriter.insert(queue.popleft(), prequantize_constants)
-                bar.update()
+        InsertEncodingsPass(queue, prequantize=prequantize_constants, scratch=scratch, index=index)(work)
     finally:
         if scratch is not None:
             scratch.close()
-    rewriter.finish()
     work.metadata_props.pop(EXTERNAL_BASE_KEY, None)
     work.metadata_props.pop("producer", None)
     work.metadata_props["producer"] = "onnxport"

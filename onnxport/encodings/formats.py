@@ -49,6 +49,10 @@ DTYPES: dict[str, DType] = {
     ]
 }
 #: The NumPy element type each ONNX Q/DQ type is stored as.
+#: the doc_string of a DequantizeLinear the converter wrote, followed by the tensor it encodes
+#: (``onnx_qdq_to_encodings`` reads the name back; a second conversion leaves the tensor alone)
+ENCODES_MARK = "onnxport: encodes "
+
 NUMPY_TYPES = {
     "int2": ml_dtypes.int2, "uint2": ml_dtypes.uint2, "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4,
     "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "int32": np.int32,

@@ -13,9 +13,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from .._ir import const_array, const_tensor, is_default, nodes, on_proto, read_model, read_values
 from ..errors import InvalidArgumentError
 from ..qdq.view import qdq_nodes
-from .formats import DTYPES, layout_param
+from .formats import DTYPES, ENCODES_MARK, layout_param
 
-_MARK = "onnxport: encodes "
 _BY_ONNX_TYPE = {d.onnx_type: name for name, d in DTYPES.items()}
 
 
@@ -48,8 +47,8 @@ def onnx_qdq_to_encodings(model: onnx.ModelProto | str | os.PathLike) -> dict:
         if node.op_type != "DequantizeLinear" or q.output in scale_inputs:
             continue  # a scale's own dequantizer is part of the meta encoding it serves
         source = q.input.producer() if q.input is not None else None
-        if node.doc_string and node.doc_string.startswith(_MARK):
-            name = node.doc_string[len(_MARK):]
+        if node.doc_string and node.doc_string.startswith(ENCODES_MARK):
+            name = node.doc_string[len(ENCODES_MARK):]
         elif source is not None and source.op_type == "QuantizeLinear":
             name = q.output.name if q.output.is_graph_output() else source.inputs[0].name
         else:
