@@ -113,7 +113,18 @@ def _check_fusions(result: DecoderFile) -> None:
 def test_ort_cpu_flavour_fuses_and_generates_the_same_tokens(ort_cpu_llama):
     model, result = ort_cpu_llama
     _check_fusions(result)
-    assert {"MultiHeadAttention", "SkipSimplifiedLayerNormalization"} <= set(result.fusions)
+    layers = model.config.num_hidden_layers
+    assert result.fusions == {"Attention": layers, "RMSNormalization": 2 * layers + 1, "RotaryEmbedding": 2 * layers}
+    graph = ir.load(str(result))
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert kv_heads < heads
+    for attention in (n for n in graph.graph if n.op_type == "Attention"):
+        # the keys and values stay grouped: one copy of the cache per key/value head, nothing
+        # repeats them to every query head at each step
+        key, value = attention.inputs[1:3]
+        assert key.shape[1] == value.shape[1] == kv_heads
+        assert all(n.op_type != "Expand" for n in (key.producer(), value.producer()) if n is not None)
+    assert "Expand" not in {n.op_type for v in graph.graph.outputs[1:] for n in [v.producer()] if n is not None}
     ids, mask = _prompts(seed=2)
     np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
                                   _transformers_greedy(model, ids, mask))
@@ -121,15 +132,20 @@ def test_ort_cpu_flavour_fuses_and_generates_the_same_tokens(ort_cpu_llama):
 
 def test_ort_cpu_flavour_of_gpt2(tmp_path):
     model = _model("gpt2")
-    with warnings.catch_warnings():
-        # onnxscript's attention rules write a graph ONNX Runtime refuses for GPT-2's 2-D linear
-        # layers; the exporter then keeps attention in standard operators and says so
-        warnings.simplefilter("ignore")
-        result = export_decoder(model, tmp_path / "decoder.onnx", flavour="ort-cpu")
+    result = export_decoder(model, tmp_path / "decoder.onnx", flavour="ort-cpu")  # opset 23: its own Attention
     _check_fusions(result)
+    assert result.fusions == {"Attention": 2, "SkipLayerNormalization": 5}
+    with warnings.catch_warnings():
+        # below opset 23 the fusions are onnxscript's; where its attention rules write a graph
+        # ONNX Runtime refuses, the exporter keeps attention in standard operators and says so
+        warnings.simplefilter("ignore")
+        older = export_decoder(model, tmp_path / "opset18.onnx", flavour="ort-cpu", opset_version=18)
+    _check_fusions(older)
+    assert older.fusions.get("SkipLayerNormalization") == 5
     ids, mask = _prompts(seed=2)
-    np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
-                                  _transformers_greedy(model, ids, mask))
+    expected = _transformers_greedy(model, ids, mask)
+    np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None), expected)
+    np.testing.assert_array_equal(generate(older, ids, mask, 64, eos_token_id=None), expected)
 
 
 def test_fusion_pass_on_a_hand_built_rms_norm():

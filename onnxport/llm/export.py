@@ -3,6 +3,7 @@ by decoding with it against the model."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -40,6 +41,9 @@ PRECISIONS = ("fp32", "fp16", "int4", "int8")
 FLAVOURS = ("portable", "ort-cpu")
 #: fp32 decoders' default opset: the oldest the exporter writes, read by every ORT since 1.14.
 DEFAULT_OPSET = 18
+#: the 'ort-cpu' flavour's default: opset 23 has Attention (grouped key/value heads),
+#: RotaryEmbedding and RMSNormalization, which torch.onnx writes and ONNX Runtime runs fused
+ORT_CPU_OPSET = 23
 #: int4/int8 decoders: DequantizeLinear with int4 and block_size is new in opset 21.
 WEIGHT_ONLY_OPSET = 21
 #: New tokens the exporter's proof decodes (teacher-forced: the model's greedy tokens fed to both).
@@ -61,7 +65,8 @@ class DecoderFile:
     Attributes:
         path: the ONNX decoder (its weights in ``<name>.data`` beside it when large).
         precision, flavour: as asked.
-        fusions: the ONNX Runtime operators the ``'ort-cpu'`` flavour fused, by type.
+        fusions: the fused operators the file holds, by type: opset 23's ``Attention``,
+            ``RotaryEmbedding`` and ``RMSNormalization``, and com.microsoft ones onnxscript wrote.
         runtime_fusions: int4/int8: the com.microsoft operators in the graph ONNX Runtime makes
             of the file when it loads it (``MatMulNBits`` per quantized linear).
         agreement: the file's logits against the model's on the proof's prompts, at ONNX
@@ -251,12 +256,16 @@ def export_decoder(
             ``'int8'``: the faithful weight-only file — every Linear's weights are torchao's
             integers (symmetric, ``group_size`` per scale) as ``DequantizeLinear``, which ONNX
             Runtime fuses into ``MatMulNBits``.
-        flavour: ``'portable'`` (standard ONNX operators) or ``'ort-cpu'`` (ONNX Runtime's CPU
-            fusions: SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization,
-            MultiHeadAttention, … counted in the result's ``fusions``).
+        flavour: ``'portable'`` (standard ONNX operators at the oldest opset that states the
+            file) or ``'ort-cpu'`` (fused for ONNX Runtime's CPU: at opset 23, ONNX's own
+            ``Attention`` with grouped key/value heads, ``RotaryEmbedding`` and
+            ``RMSNormalization``; below 23, onnxscript's com.microsoft fusions —
+            SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MultiHeadAttention —
+            all counted in the result's ``fusions``).
         group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
-        opset_version: the default-domain opset: 18 or later for fp32 (default 18), 21 or later
-            for int4/int8 (default 21: int4 and blocked scales are new there).
+        opset_version: the default-domain opset: 18 or later for fp32/fp16 (default 18), 21 or
+            later for int4/int8 (default 21: int4 and blocked scales are new there); the
+            ``'ort-cpu'`` flavour's default is 23.
 
     Returns:
         A :class:`DecoderFile`: the path, the fusions, and the proof's figures. The proof
@@ -272,7 +281,7 @@ def export_decoder(
     check_choice(flavour, FLAVOURS, "flavour")
     lowest = WEIGHT_ONLY_OPSET if precision in ("int4", "int8") else DEFAULT_OPSET
     if opset_version is None:
-        opset_version = lowest
+        opset_version = ORT_CPU_OPSET if flavour == "ort-cpu" else lowest
     import onnx
 
     newest = onnx.defs.onnx_opset_version()
@@ -342,6 +351,25 @@ def export_decoder(
             result.genai_config = _write_folder_extras(folder, file, shape, source_folder)
         bar.update()
     return result
+
+
+@contextlib.contextmanager
+def _grouped_sdpa(enabled: bool):
+    """Let transformers hand SDPA a grouped-query model's keys and values grouped (``enable_gqa``)
+    instead of repeated to every query head: from opset 23 torch.onnx writes SDPA as ONNX's
+    ``Attention``, which takes them grouped (``kv_num_heads``), so the file keeps no ``Expand`` that
+    copies the whole cache at every step."""
+    if not enabled:
+        yield
+        return
+    from transformers.integrations import sdpa_attention
+
+    original = sdpa_attention.use_gqa_in_sdpa
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = original
 
 
 def _half_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -419,7 +447,7 @@ def decoder_steps(weights: list, fusion: Any = None) -> list:
 def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
     """Capture, rewrite, write and prove the decoder file at ``file`` (complete or not at all)."""
     from .._export_torch import torch_program
-    from ..passes.ort_fusions import OrtFusionPass
+    from ..passes.ort_fusions import OrtFusionPass, fused_ops
     from ..passes.ort_quantize import SetMetadataPass
     from ..pipeline import Pipeline, Step, Structural
 
@@ -436,7 +464,8 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
     with staged_output(file) as staged:
         # the runs every step's proof makes: a prompt with an empty past, and one decode step
         pipeline = Pipeline(prefill, scratch=staged.parent, axes=axes, samples=[prefill, decode_feeds])
-        with eval_mode(job.export_model), cached_forward(job.export_model, shape):
+        with eval_mode(job.export_model), cached_forward(job.export_model, shape), \
+                _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET):
             # torch.export takes every traced size to be at least 2, so the mask (past and new
             # tokens together) at least 4; saying so up front saves a refused capture
             graph = torch_program(job.export_model, job.sample, opset_version=job.opset_version,
@@ -452,9 +481,10 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
         steps.append(Step("record the decoder", SetMetadataPass({METADATA_KEY: json.dumps(record)}), Structural))
         graph = pipeline.apply(graph, steps)
         bar.update()
+        fusions = dict(sorted(fused_ops(graph).items()))
         pipeline.write(graph, staged)
         del graph
-        result = DecoderFile(staged, job.precision, job.flavour, shape, fusions=dict(fusion.fusions))
+        result = DecoderFile(staged, job.precision, job.flavour, shape, fusions=fusions)
 
         def integers(path: Path) -> None:
             from ..qdq.weight_only import check_weights_faithful

@@ -16,15 +16,18 @@ from collections import Counter
 
 import onnx_ir as ir
 
-#: The fused operators the pass may write (com.microsoft, and SimplifiedLayerNormalization, which
-#: ONNX Runtime registers in the default domain).
+#: Fused operators: those the pass may write (com.microsoft, and SimplifiedLayerNormalization,
+#: which ONNX Runtime registers in the default domain), and opset 23's own Attention,
+#: RotaryEmbedding and RMSNormalization, which torch.onnx writes there and ORT runs in one call.
 FUSED_OPS = frozenset({
     "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization",
     "RotaryEmbedding", "MultiHeadAttention", "GroupQueryAttention", "Attention", "Gelu", "FastGelu", "BiasGelu",
+    "RMSNormalization",
 })
 
 
-def _fused(model: ir.Model) -> Counter:
+def fused_ops(model: ir.Model) -> Counter:
+    """The fused operators a model holds, by type (bodies included)."""
     return Counter(node.op_type for node in model.graph.all_nodes() if node.op_type in FUSED_OPS)
 
 
@@ -63,7 +66,7 @@ class OrtFusionPass(ir.passes.InPlacePass):
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
         before = [(node.op_type, node.domain, len(node.inputs)) for node in model.graph.all_nodes()]
-        had = _fused(model)
+        had = fused_ops(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if self.attention:
@@ -73,7 +76,7 @@ class OrtFusionPass(ir.passes.InPlacePass):
                 fused = model
         if fused is not model:  # the rewriter works in place today; keep the pass honest if that changes
             raise AssertionError("onnxscript's optimize_for_ort returned a new model; OrtFusionPass expects it in place.")
-        self.fusions = dict(_fused(model) - had)
+        self.fusions = dict(fused_ops(model) - had)
         after = [(node.op_type, node.domain, len(node.inputs)) for node in model.graph.all_nodes()]
         return ir.passes.PassResult(model, modified=after != before)
 
