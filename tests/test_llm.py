@@ -312,3 +312,18 @@ def test_cli_exports_a_folder_with_its_genai_config_and_generates(tmp_path, caps
 
     assert main(["llm", str(tmp_path / "missing"), "-o", str(out)]) == 2
     assert "save_pretrained" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2"])
+def test_ort_cpu_decoder_of_every_family_generates_what_transformers_generates(family, tmp_path):
+    # (Llama's and GPT-2's 'ort-cpu' files have their own tests above)
+    model = _model(family)
+    result = export_decoder(model, tmp_path / "decoder.onnx", flavour="ort-cpu")
+    _check_fusions(result)
+    layers = model.config.num_hidden_layers
+    assert result.fusions.get("RotaryEmbedding") == 2 * layers
+    # Gemma 2 caps its attention logits, which SDPA cannot: its attention stays in standard operators
+    assert result.fusions.get("Attention") == (None if family == "gemma2" else layers)
+    ids, mask = _prompts(seed=3)
+    np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
+                                  _transformers_greedy(model, ids, mask))
