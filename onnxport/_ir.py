@@ -16,10 +16,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from . import _io
 from ._io import (
     BASEPATH_KEY,
     EXTERNAL_BASE_KEY,
-    EXTERNAL_DATA_BYTES,
     EXTERNAL_SIZE_THRESHOLD,
     check_external_data,
     external_folder,
@@ -266,7 +266,7 @@ def save_ir(model: ir.Model, path: str | os.PathLike, *, external_data: bool | N
     if external_data is None:
         found = list(tensors(model))
         external_data = (any(isinstance(t, ir.ExternalTensor) for t in found)
-                         or sum(t.nbytes for t in found) > EXTERNAL_DATA_BYTES)
+                         or sum(t.nbytes for t in found) > _io.EXTERNAL_DATA_BYTES)  # _io's limit, read now
     # ir.save moves the tensors above its threshold, onnx those at it too: the same files either way
     ir.save(model, path, external_data=path.name + ".data" if external_data else None,
             size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
