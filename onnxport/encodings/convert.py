@@ -16,7 +16,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass, TopologicalSortPass
 from tqdm.auto import tqdm
 
-from .._io import EXTERNAL_BASE_KEY, ScratchTensors, _inside, check_external_data
+from .._io import EXTERNAL_BASE_KEY, ScratchTensors, _inside, check_external_data, read_onnx
 from .._ir import (
     const_tensor,
     drop_unread_constants,
@@ -62,9 +62,9 @@ def _load_model(model: Any) -> tuple[ir.Model, onnx.ModelProto, Path | None]:
     needed), the proto it was read from (for shape inference), and its external data's folder."""
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
-        work, base = read_model(path, "model")
-        proto = onnx.load_model(str(path), load_external_data=False)
+        proto = read_onnx(path, "model")  # read once: the ir model below wraps its tensors
         check_external_data(proto, path.parent)  # a truncated .data file fails here, before any work
+        work, base = read_model(proto, "model", base=path.parent)
         return work, proto, base
     if isinstance(model, onnx.ModelProto):
         work, base = read_model(model, "model")  # wraps the proto's tensors; the proto is never edited
