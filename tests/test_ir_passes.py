@@ -654,3 +654,106 @@ def test_a_float_output_linears_bias_takes_the_input_rank_so_ort_keeps_it_int8(t
     body, first, _ = _apply(LinearBiasRankPass(), original)
     assert first and sorted(n.input[1] for n in _body_nodes(body) if n.op_type == "Add") == ["bias.rank3", "bias.rank3_1"]
     _same_bytes(body, original, [1, 6, 16])
+
+
+def _cached_attention_model(with_mask: bool = True, size: int = 8) -> onnx.ModelProto:
+    """One decoder attention as torch.onnx writes it at opset 23: 4 query heads over 2 key/value
+    heads of ``size``, the keys and values appended to the past by Concat (the present outputs)."""
+    def heads(name, count):
+        return [helper.make_node("Reshape", [name, f"{name}_split"], [f"{name}4"]),
+                helper.make_node("Transpose", [f"{name}4"], [f"{name}_t"], perm=[0, 2, 1, 3])]
+
+    nodes = [*heads("q", 4), *heads("k", 2), *heads("v", 2),
+             helper.make_node("Concat", ["past_key", "k_t"], ["present_key"], axis=-2),
+             helper.make_node("Concat", ["past_value", "v_t"], ["present_value"], axis=-2),
+             helper.make_node("Attention", ["q_t", "present_key", "present_value"] + (["mask"] if with_mask else []),
+                              ["y4"], scale=0.5, is_causal=0 if with_mask else 1),
+             helper.make_node("Transpose", ["y4"], ["y_t"], perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["y_t", "merged"], ["y"])]
+    inits = [_c("q_split", np.array([0, 0, 4, size])), _c("k_split", np.array([0, 0, 2, size])),
+             _c("v_split", np.array([0, 0, 2, size])), _c("merged", np.array([0, 0, 4 * size]))]
+    info = helper.make_tensor_value_info
+    inputs = [info("q", FLOAT, ["b", "s", 4 * size]), info("k", FLOAT, ["b", "s", 2 * size]),
+              info("v", FLOAT, ["b", "s", 2 * size]), info("past_key", FLOAT, ["b", 2, "p", size]),
+              info("past_value", FLOAT, ["b", 2, "p", size])]
+    if with_mask:
+        inputs.append(info("mask", TensorProto.BOOL, ["b", 1, "s", "t"]))
+    outputs = [info("y", FLOAT, ["b", "s", 4 * size]), info("present_key", FLOAT, ["b", 2, "t", size]),
+               info("present_value", FLOAT, ["b", 2, "t", size])]
+    graph = helper.make_graph(nodes, "attention", inputs, outputs, inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+
+
+def _decoder_feeds(with_mask: bool, past: int, new: int) -> dict:
+    total = past + new
+    feeds = {"q": RNG.standard_normal((2, new, 32)), "k": RNG.standard_normal((2, new, 16)),
+             "v": RNG.standard_normal((2, new, 16)), "past_key": RNG.standard_normal((2, 2, past, 8)),
+             "past_value": RNG.standard_normal((2, 2, past, 8))}
+    feeds = {name: array.astype(np.float32) for name, array in feeds.items()}
+    if with_mask:
+        causal = np.arange(total)[None, :] <= past + np.arange(new)[:, None]
+        padding = np.ones((2, total), bool)
+        padding[1, :2] = False  # the second row is padded on the left
+        feeds["mask"] = causal[None, None] & padding[:, None, None, :]
+    return feeds
+
+
+def test_cached_attention_becomes_group_query_attention_with_the_same_outputs():
+    from onnxport.passes.group_query_attention import GroupQueryAttentionPass
+
+    proto = _cached_attention_model()
+    model = ir.from_proto(proto)
+    rewrite = GroupQueryAttentionPass()
+    assert rewrite(model).modified and rewrite.rewritten == 1
+    ops = [n.op_type for n in model.graph]
+    assert "GroupQueryAttention" in ops and not {"Attention", "Concat", "Transpose"} & set(ops)
+    assert [v.name for v in model.graph.outputs] == ["y", "present_key", "present_value"]
+    assert not rewrite(model).modified and rewrite.rewritten == 0  # idempotent, and honest about it
+    fused = ir.to_proto(model)
+    # a prompt with an empty past, a decode step, and two tokens over a past (which the kernel
+    # refuses for a batch of two unless it is told each row's chunk length)
+    for past, new in ((0, 5), (5, 1), (3, 2)):
+        feeds = _decoder_feeds(True, past, new)
+        for want, got in zip(run(proto, feeds, optimized=False), run(fused, feeds, optimized=False)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_query_attention_pass_needs_opset_23_and_leaves_what_its_kernel_cannot_run():
+    from onnxport.passes.group_query_attention import GroupQueryAttentionPass
+
+    # ONNX Runtime's kernel refuses a head size that is not a multiple of 8
+    assert not GroupQueryAttentionPass()(ir.from_proto(_cached_attention_model(size=4))).modified
+    # ONNX's is_causal triangle starts at the first key, the kernel's ends at the last
+    assert not GroupQueryAttentionPass()(ir.from_proto(_cached_attention_model(with_mask=False))).modified
+
+    proto = _cached_attention_model()
+    uncached = onnx.ModelProto()
+    uncached.CopyFrom(proto)
+    uncached.graph.node[6].input[1:3] = ["k_t", "v_t"]  # attention over the new keys only: no cache
+    model = ir.from_proto(uncached)
+    assert not GroupQueryAttentionPass()(model).modified
+    older = ir.from_proto(proto)
+    older.opset_imports[""] = 22
+    with pytest.raises(ir.passes.PreconditionError, match="opset 23"):
+        GroupQueryAttentionPass()(older)
+
+
+def test_residual_add_and_rms_norm_become_one_skip_norm_and_the_sum_stays_readable():
+    from onnxport.passes.skip_rms_norm import SkipRmsNormPass
+
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
+             helper.make_node("RMSNormalization", ["h", "w"], ["y"], axis=-1, epsilon=1e-6),
+             helper.make_node("Relu", ["h"], ["next"])]  # the next residual reads the sum too
+    graph = helper.make_graph(nodes, "norm", [info("x", FLOAT, ["b", "s", 8]), info("r", FLOAT, ["b", "s", 8])],
+                              [info("y", FLOAT, ["b", "s", 8]), info("next", FLOAT, ["b", "s", 8])],
+                              [_c("w", np.linspace(0.5, 1.5, 8, dtype=np.float32))])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]))
+    model = ir.from_proto(proto)
+    rewrite = SkipRmsNormPass()
+    assert rewrite(model).modified and rewrite.rewritten == 1
+    assert [(n.domain, n.op_type) for n in model.graph] == [("com.microsoft", "SkipSimplifiedLayerNormalization"), ("", "Relu")]
+    assert not rewrite(model).modified
+    feeds = {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32), "r": RNG.standard_normal((2, 3, 8)).astype(np.float32)}
+    for want, got in zip(run(proto, feeds, optimized=False), run(ir.to_proto(model), feeds, optimized=False)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -114,17 +114,24 @@ def test_ort_cpu_flavour_fuses_and_generates_the_same_tokens(ort_cpu_llama):
     model, result = ort_cpu_llama
     _check_fusions(result)
     layers = model.config.num_hidden_layers
-    assert result.fusions == {"Attention": layers, "RMSNormalization": 2 * layers + 1, "RotaryEmbedding": 2 * layers}
+    # each layer: one GroupQueryAttention, and its two residual adds with the RMS norms after
+    # them as SkipSimplifiedLayerNormalization (the first norm reads the embedding: no add)
+    assert result.fusions == {"GroupQueryAttention": layers, "SkipSimplifiedLayerNormalization": 2 * layers,
+                              "RMSNormalization": 1, "RotaryEmbedding": 2 * layers}
     graph = ir.load(str(result))
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     assert kv_heads < heads
-    for attention in (n for n in graph.graph if n.op_type == "Attention"):
-        # the keys and values stay grouped: one copy of the cache per key/value head, nothing
-        # repeats them to every query head at each step
-        key, value = attention.inputs[1:3]
-        assert key.shape[1] == value.shape[1] == kv_heads
-        assert all(n.op_type != "Expand" for n in (key.producer(), value.producer()) if n is not None)
-    assert "Expand" not in {n.op_type for v in graph.graph.outputs[1:] for n in [v.producer()] if n is not None}
+    attentions = [n for n in graph.graph if n.op_type == "GroupQueryAttention"]
+    for attention in attentions:
+        assert attention.domain == "com.microsoft"
+        assert (attention.attributes["num_heads"].value, attention.attributes["kv_num_heads"].value) == (heads, kv_heads)
+        # the cache stays grouped and is the file's own past and present: the kernel appends to
+        # it, no Concat or Expand copies it to every query head
+        past_key, past_value = attention.inputs[3:5]
+        assert past_key.is_graph_input() and past_value.is_graph_input()
+        assert all(out.is_graph_output() for out in attention.outputs[1:3])
+    assert {v.name for a in attentions for v in a.outputs[1:3]} == {v.name for v in graph.graph.outputs[1:]}
+    assert not {"Attention", "Concat"} & {n.op_type for v in graph.graph.outputs for n in [v.producer()] if n is not None}
     ids, mask = _prompts(seed=2)
     np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
                                   _transformers_greedy(model, ids, mask))
@@ -134,7 +141,7 @@ def test_ort_cpu_flavour_of_gpt2(tmp_path):
     model = _model("gpt2")
     result = export_decoder(model, tmp_path / "decoder.onnx", flavour="ort-cpu")  # opset 23: its own Attention
     _check_fusions(result)
-    assert result.fusions == {"Attention": 2, "SkipLayerNormalization": 5}
+    assert result.fusions == {"GroupQueryAttention": 2, "SkipLayerNormalization": 5}
     with warnings.catch_warnings():
         # below opset 23 the fusions are onnxscript's; where its attention rules write a graph
         # ONNX Runtime refuses, the exporter keeps attention in standard operators and says so
@@ -219,10 +226,14 @@ def test_int4_decoder_of_a_trained_model_generates_its_tokens(trained_llama, tmp
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = torchao_model.generate(input_ids=prompts, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    got = generate(result, prompts, max_new_tokens=24)
-    agreement = float((got[:, 6:] == expected.numpy()[:, 6:]).mean())
-    assert agreement == 1.0, f"int4 file vs the torchao model: {agreement:.1%} of greedy tokens agree"
-    assert (got == truth.numpy()).all(), "the int4 file no longer continues the sequences"
+    fused = export_decoder(model, tmp_path / "int4-ort-cpu.onnx", precision="int4", group_size=32, flavour="ort-cpu")
+    assert fused.agreement and fused.fusions["GroupQueryAttention"] == 2
+    assert fused.runtime_fusions.get("MatMulNBits") == len(int4)
+    for file in (result, fused):
+        got = generate(file, prompts, max_new_tokens=24)
+        agreement = float((got[:, 6:] == expected.numpy()[:, 6:]).mean())
+        assert agreement == 1.0, f"{file.flavour} int4 file vs the torchao model: {agreement:.1%} of greedy tokens agree"
+        assert (got == truth.numpy()).all(), f"the {file.flavour} int4 file no longer continues the sequences"
 
 
 @pytest.mark.slow
@@ -244,9 +255,13 @@ def test_fp16_decoder_of_a_trained_model_generates_what_the_half_model_generates
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = half.generate(input_ids=prompts, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    got = generate(result, prompts, max_new_tokens=24)
-    np.testing.assert_array_equal(got, expected.numpy())
-    assert (got == truth.numpy()).all(), "the fp16 file no longer continues the sequences"
+    # the fused file's float16 GroupQueryAttention and skip norms too
+    fused = export_decoder(model, tmp_path / "fp16-ort-cpu.onnx", precision="fp16", flavour="ort-cpu")
+    assert fused.agreement and fused.fusions["GroupQueryAttention"] == 2
+    for file in (result, fused):
+        got = generate(file, prompts, max_new_tokens=24)
+        np.testing.assert_array_equal(got, expected.numpy())
+        assert (got == truth.numpy()).all(), f"the {file.flavour} fp16 file no longer continues the sequences"
 
 
 def test_seeded_sampling_repeats_and_seeds_differ(ort_cpu_llama):
@@ -323,7 +338,9 @@ def test_ort_cpu_decoder_of_every_family_generates_what_transformers_generates(f
     layers = model.config.num_hidden_layers
     assert result.fusions.get("RotaryEmbedding") == 2 * layers
     # Gemma 2 caps its attention logits, which SDPA cannot: its attention stays in standard operators
-    assert result.fusions.get("Attention") == (None if family == "gemma2" else layers)
+    assert result.fusions.get("GroupQueryAttention") == (None if family == "gemma2" else layers)
+    assert "Attention" not in result.fusions
+    assert result.fusions.get("SkipSimplifiedLayerNormalization", 0) >= 2 * layers
     ids, mask = _prompts(seed=3)
     np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
                                   _transformers_greedy(model, ids, mask))

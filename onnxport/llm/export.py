@@ -257,9 +257,10 @@ def export_decoder(
             integers (symmetric, ``group_size`` per scale) as ``DequantizeLinear``, which ONNX
             Runtime fuses into ``MatMulNBits``.
         flavour: ``'portable'`` (standard ONNX operators at the oldest opset that states the
-            file) or ``'ort-cpu'`` (fused for ONNX Runtime's CPU: at opset 23, ONNX's own
-            ``Attention`` with grouped key/value heads, ``RotaryEmbedding`` and
-            ``RMSNormalization``; below 23, onnxscript's com.microsoft fusions —
+            file) or ``'ort-cpu'`` (fused for ONNX Runtime's CPU: at opset 23, com.microsoft
+            ``GroupQueryAttention`` over the cache and ``SkipSimplifiedLayerNormalization`` for
+            each residual add and its RMS norm, with ONNX's own ``RotaryEmbedding``; below 23,
+            onnxscript's com.microsoft fusions —
             SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MultiHeadAttention —
             all counted in the result's ``fusions``).
         group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
@@ -418,14 +419,16 @@ class _Job:
     model_name: str
 
 
-def decoder_steps(weights: list, fusion: Any = None) -> list:
+def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -> list:
     """The decoder's graph steps, each with its proof: torchao's integers in place (int4/int8),
     ONNX Runtime's fusions (``'ort-cpu'``; before onnxslim, whose rewrites hide the patterns
     onnxscript looks for), and onnxslim's clean-up with the weights lifted out of its reach."""
     from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
+    from ..passes.group_query_attention import GroupQueryAttentionPass
     from ..passes.optimize import OnnxSlimPass
     from ..passes.rsqrt_div import RsqrtToDivPass
+    from ..passes.skip_rms_norm import SkipRmsNormPass
     from ..pipeline import LastBit, OnFile, Step, Structural
     from ..qdq.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
 
@@ -435,6 +438,9 @@ def decoder_steps(weights: list, fusion: Any = None) -> list:
     if fusion is not None:
         # the fused kernels add in another order: the decoding proof on the file is theirs
         steps.append(Step("fuse for ONNX Runtime's CPU (onnxscript)", fusion, OnFile))
+        if contrib:
+            steps.append(Step("cached attention as GroupQueryAttention", GroupQueryAttentionPass(), OnFile))
+            steps.append(Step("residual add and RMS norm as SkipSimplifiedLayerNormalization", SkipRmsNormPass(), OnFile))
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
     if weights:
         steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
@@ -475,7 +481,8 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
         # so no copy of the graph as produced is kept: at LLM sizes it would cost the weights again
         pipeline.start(graph, keep_reference=False)
         bar.update()
-        steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None)
+        steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None,
+                              contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET)
         record = {**shape.__dict__, "precision": job.precision, "flavour": job.flavour,
                   "group_size": job.group_size if weights else None}
         steps.append(Step("record the decoder", SetMetadataPass({METADATA_KEY: json.dumps(record)}), Structural))
