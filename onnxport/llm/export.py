@@ -255,11 +255,13 @@ def export_decoder(
             proof holds it to ``model.half()``, and the given model is not changed); ``'int4'`` or
             ``'int8'``: the faithful weight-only file — every Linear's weights are torchao's
             integers (symmetric, ``group_size`` per scale) as ``DequantizeLinear``, which ONNX
-            Runtime fuses into ``MatMulNBits``.
+            Runtime fuses into ``MatMulNBits`` (the ``'ort-cpu'`` file holds ``MatMulNBits``
+            itself, at accuracy level 4).
         flavour: ``'portable'`` (standard ONNX operators at the oldest opset that states the
             file) or ``'ort-cpu'`` (fused for ONNX Runtime's CPU: at opset 23, com.microsoft
-            ``GroupQueryAttention`` over the cache and ``SkipSimplifiedLayerNormalization`` for
-            each residual add and its RMS norm, with ONNX's own ``RotaryEmbedding``; below 23,
+            ``GroupQueryAttention`` over the cache, ``SkipSimplifiedLayerNormalization`` for
+            each residual add and its RMS norm and ``MatMulNBits`` for int4/int8 weights, with
+            ONNX's own ``RotaryEmbedding``; below 23,
             onnxscript's com.microsoft fusions —
             SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MultiHeadAttention —
             all counted in the result's ``fusions``).
@@ -426,6 +428,7 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
     from ..passes.group_query_attention import GroupQueryAttentionPass
+    from ..passes.matmul_nbits import MatMulNBitsPass
     from ..passes.optimize import OnnxSlimPass
     from ..passes.rsqrt_div import RsqrtToDivPass
     from ..passes.skip_rms_norm import SkipRmsNormPass
@@ -444,6 +447,10 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
     if weights:
         steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
+        if contrib:
+            # what ONNX Runtime makes of DequantizeLinear → MatMul when it loads the file, written
+            # in it (accuracy level 4, as ORT's fusion and onnxruntime-genai's builder pick)
+            steps.append(Step("blocked weights as MatMulNBits", MatMulNBitsPass(), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
@@ -503,9 +510,15 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
             got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
             result.agreement = _compare(got, job.reference_logits, strategy, "unoptimised")
             if not result.agreement:
+                nbits = "MatMulNBits" in fusions
                 raise ExportRefusedError(
                     f"The decoder file does not compute what {job.model_name} computes "
-                    f"({strategy.describe()}):\n{result.agreement}\nNothing was kept."
+                    f"({strategy.describe()}):\n{result.agreement}\n"
+                    + ("Its MatMulNBits compute with int8 activations (accuracy level 4, as onnxruntime-genai's "
+                       "builder writes them); flavour='portable' keeps DequantizeLinear -> MatMul in the file, "
+                       "whose activations ONNX Runtime's session option 'session.qdq_matmulnbits_accuracy_level' "
+                       "decides. " if nbits else "")
+                    + "Nothing was kept."
                 )
             got, result.token_agreement = _file_decoding(path, shape, job.tokens, optimized=True)
             result.deployed = _compare(got, job.reference_logits, strategy, "default level")
@@ -515,7 +528,7 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
                     f"{min(r.cosine_similarity for r in result.deployed.outputs):.6f} (cosine)"
                     + (": its MatMulNBits computes with int8 activations there (accuracy level 4); set the "
                        "session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations."
-                       if weights else "."),
+                       if weights and "MatMulNBits" not in fusions else "."),
                     RuntimePrecisionWarning,
                     stacklevel=5,
                 )
