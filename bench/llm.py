@@ -243,11 +243,14 @@ def _one(name: str, config: dict, scratch: Path, genai_python: str | None, bandw
             "decode_bandwidth_vs_copy": weight_bytes * tok_s / bandwidth,
             "tokens": good[0]["tokens"],
         }
-    if genai_python and "ours fp32" in files:  # our folder in onnxruntime-genai's generator, with our genai_config.json
-        ours_in_genai = _python(_GENAI, files["ours fp32"][1].parent, prompt, NEW, python=genai_python)
-        ours = result["runs"].get("ours fp32", {})
-        result["genai_runs_our_file"] = ("error" not in ours_in_genai and ours_in_genai["tokens"] == ours.get("tokens"),
-                                         ours_in_genai.get("error"))
+    # our folder in onnxruntime-genai's generator, with our genai_config.json: each of our files
+    # runs there and gives onnxport.generate's tokens
+    result["genai_runs_our_files"] = {}
+    for label in [label for label in files if label.startswith("ours")] if genai_python else []:
+        ours_in_genai = _python(_GENAI, files[label][1].parent, prompt, NEW, python=genai_python)
+        ours = result["runs"].get(label, {})
+        result["genai_runs_our_files"][label] = (
+            "error" not in ours_in_genai and ours_in_genai["tokens"] == ours.get("tokens"), ours_in_genai.get("error"))
     return result
 
 
@@ -296,8 +299,9 @@ def report(results: dict) -> str:
         for label, export in entry["exports"].items():
             if "error" in export:
                 lines.append(f"  {name}: {label} export failed: {export['error']}")
-        if "genai_runs_our_file" in entry:
-            same, error = entry["genai_runs_our_file"]
-            lines.append(f"  {name}: onnxruntime-genai runs our folder (genai_config.json): "
+        checked = entry.get("genai_runs_our_files") or ({"ours fp32": entry["genai_runs_our_file"]}
+                                                        if "genai_runs_our_file" in entry else {})
+        for label, (same, error) in checked.items():
+            lines.append(f"  {name}: onnxruntime-genai runs our {label[5:]} folder (genai_config.json): "
                          + ("same tokens as onnxport.generate" if same else f"NOT the same tokens ({error or 'differ'})"))
     return "\n".join(lines)

@@ -117,8 +117,7 @@ class GroupQueryAttentionPass(ir.passes.InPlacePass):
         new: list[ir.Node] = []
         projections = [self._three_d(query, heads, new), self._three_d(keys[1], kv_heads, new),
                        self._three_d(values[1], kv_heads, new)]
-        bias, seqlens, total = self._lengths(mask, dtype, new, shared)
-        query_seqlens = self._query_lengths(projections[0], new)
+        bias, seqlens, total, query_seqlens = self._lengths(mask, projections[0], dtype, new, shared)
         scale = node.attributes.get_float("scale", 1.0 / math.sqrt(head_size))
         gqa = ir.node(
             "GroupQueryAttention",
@@ -188,9 +187,11 @@ class GroupQueryAttentionPass(ir.passes.InPlacePass):
         return reshape.outputs[0]
 
     @staticmethod
-    def _lengths(mask: ir.Value, dtype: ir.DataType | None, new: list[ir.Node], shared: dict):
-        """The bias, ``seqlens_k`` and ``total_sequence_length`` of one mask (shared by the
-        layers that read it)."""
+    def _lengths(mask: ir.Value, query: ir.Value, dtype: ir.DataType | None, new: list[ir.Node], shared: dict):
+        """The bias, ``seqlens_k``, ``total_sequence_length`` and ``query_seqlens`` of one mask,
+        made once for the layers that read it: the total from the mask's last axis, the batch and
+        the chunk's length from the first layer's (batch, sequence, hidden) query, which every
+        layer shares."""
         if id(mask) in shared:
             return shared[id(mask)]
         if mask.dtype == ir.DataType.BOOL:
@@ -202,21 +203,15 @@ class GroupQueryAttentionPass(ir.passes.InPlacePass):
             bias = where.outputs[0]
         else:
             bias = mask
-        batch = ir.node("Shape", inputs=[mask], attributes={"start": 0, "end": 1})
-        length = ir.node("Shape", inputs=[mask], attributes={"start": 3, "end": 4})
-        new.extend([batch, length])
-        seqlens, total = _lengths_from(length.outputs[0], batch.outputs[0], new)
-        shared[id(mask)] = (bias, seqlens, total)
-        return shared[id(mask)]
-
-    @staticmethod
-    def _query_lengths(query: ir.Value, new: list[ir.Node]) -> ir.Value:
         batch = ir.node("Shape", inputs=[query], attributes={"start": 0, "end": 1})
-        length = ir.node("Shape", inputs=[query], attributes={"start": 1, "end": 2})
-        cast = ir.node("Cast", inputs=[length.outputs[0]], attributes={"to": ir.DataType.INT32})
-        expand = ir.node("Expand", inputs=[cast.outputs[0], batch.outputs[0]])
-        new.extend([batch, length, cast, expand])
-        return expand.outputs[0]
+        chunk = ir.node("Shape", inputs=[query], attributes={"start": 1, "end": 2})
+        length = ir.node("Shape", inputs=[mask], attributes={"start": 3, "end": 4})
+        chunk32 = ir.node("Cast", inputs=[chunk.outputs[0]], attributes={"to": ir.DataType.INT32})
+        chunks = ir.node("Expand", inputs=[chunk32.outputs[0], batch.outputs[0]])
+        new.extend([batch, chunk, length, chunk32, chunks])
+        seqlens, total = _lengths_from(length.outputs[0], batch.outputs[0], new)
+        shared[id(mask)] = (bias, seqlens, total, chunks.outputs[0])
+        return shared[id(mask)]
 
 
 def _lengths_from(length: ir.Value, batch: ir.Value, new: list[ir.Node]) -> tuple[ir.Value, ir.Value]:
