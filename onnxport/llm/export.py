@@ -255,13 +255,12 @@ def export_decoder(
             proof holds it to ``model.half()``, and the given model is not changed); ``'int4'`` or
             ``'int8'``: the faithful weight-only file — every Linear's weights are torchao's
             integers (symmetric, ``group_size`` per scale) as ``DequantizeLinear``, which ONNX
-            Runtime fuses into ``MatMulNBits`` (the ``'ort-cpu'`` file holds ``MatMulNBits``
-            itself, with float activations: accuracy level 0).
+            Runtime fuses into ``MatMulNBits`` when it loads the file (at the accuracy level its
+            session option ``session.qdq_matmulnbits_accuracy_level`` says, default 4).
         flavour: ``'portable'`` (standard ONNX operators at the oldest opset that states the
             file) or ``'ort-cpu'`` (fused for ONNX Runtime's CPU: at opset 23, com.microsoft
             ``GroupQueryAttention`` over the cache, ``SkipSimplifiedLayerNormalization`` for
-            each residual add and its RMS norm and ``MatMulNBits`` for int4/int8 weights, with
-            ONNX's own ``RotaryEmbedding``; below 23,
+            each residual add and its RMS norm, with ONNX's own ``RotaryEmbedding``; below 23,
             onnxscript's com.microsoft fusions —
             SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MultiHeadAttention —
             all counted in the result's ``fusions``).
@@ -428,7 +427,6 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
     from ..passes.group_query_attention import GroupQueryAttentionPass
-    from ..passes.matmul_nbits import MatMulNBitsPass
     from ..passes.optimize import OnnxSlimPass
     from ..passes.rsqrt_div import RsqrtToDivPass
     from ..passes.skip_rms_norm import SkipRmsNormPass
@@ -447,12 +445,6 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
     if weights:
         steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
-        if contrib:
-            # what ONNX Runtime makes of DequantizeLinear → MatMul when it loads the file, written
-            # in it; at accuracy level 0 (float activations), so the file computes torchao's model
-            # (level 4, ORT's own fusion's pick, quantizes activations to int8, which put the
-            # bench's random-weight Llamas, 42M to 1.1B, below the proof's cosine bound)
-            steps.append(Step("blocked weights as MatMulNBits", MatMulNBitsPass(accuracy_level=0), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
@@ -524,7 +516,7 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
                     f"{min(r.cosine_similarity for r in result.deployed.outputs):.6f} (cosine)"
                     + (": its MatMulNBits computes with int8 activations there (accuracy level 4); set the "
                        "session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations."
-                       if weights and "MatMulNBits" not in fusions else "."),
+                       if weights else "."),
                     RuntimePrecisionWarning,
                     stacklevel=5,
                 )

@@ -19,11 +19,11 @@ import onnx_ir as ir
 #: Fused operators: those the pass may write (com.microsoft, and SimplifiedLayerNormalization,
 #: which ONNX Runtime registers in the default domain), opset 23's own Attention,
 #: RotaryEmbedding and RMSNormalization, which torch.onnx writes there and ORT runs in one call,
-#: and the decoder's other contrib rewrites (GroupQueryAttention, MatMulNBits).
+#: and the decoder's GroupQueryAttention.
 FUSED_OPS = frozenset({
     "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization",
     "RotaryEmbedding", "MultiHeadAttention", "GroupQueryAttention", "Attention", "Gelu", "FastGelu", "BiasGelu",
-    "RMSNormalization", "MatMulNBits",
+    "RMSNormalization",
 })
 
 

@@ -247,31 +247,16 @@ _FILE_TYPES = (ir.DataType.INT4, ir.DataType.INT8)
 
 
 def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Each DequantizeLinear of an int4/int8 initializer in a file, and each com.microsoft
-    ``MatMulNBits`` (read back into the DequantizeLinear layout), one at a time.
+    """Each DequantizeLinear of an int4/int8 initializer in a file, one at a time.
 
-    Yields ``(output name, entry)`` (a MatMulNBits: its packed weight's name, which is the name
-    the dequantized weight had); the entry holds ``q`` (int8 values), ``scale``, ``zp`` (``None``
-    when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types. One weight is
-    unpacked at a time, so an LLM-sized file is checked in bounded memory.
+    Yields ``(output name, entry)``; the entry holds ``q`` (int8 values), ``scale``, ``zp``
+    (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types.
+    One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
     from .._ir import read_model
-    from ..passes.matmul_nbits import unpacked
     from .view import qdq_nodes
 
     model, _ = read_model(path)
-    packed: dict[str, list] = {}
-    for node in model.graph.all_nodes():
-        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and node.inputs[1] is not None:
-            packed.setdefault(node.inputs[1].name, []).append(node)
-    for name, readers in packed.items():
-        entry = unpacked(readers[0])
-        if entry is None:
-            continue
-        yield name, {"q": entry["q"], "scale": entry["scale"], "zp": entry["zp"], "axis": 0,
-                     "block_size": entry["block_size"],
-                     "dtype": ir.DataType.INT4 if entry["bits"] == 4 else ir.DataType.INT8,
-                     "readers": ["MatMulNBits"]}
     for q in qdq_nodes(model):
         if q.op_type != "DequantizeLinear" or q.integers is None or q.integers.dtype not in _FILE_TYPES:
             continue
