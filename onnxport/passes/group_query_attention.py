@@ -59,7 +59,8 @@ def _cache_concat(value: ir.Value) -> tuple[ir.Value, ir.Value] | None:
 
 
 def _transposed_from(value: ir.Value) -> ir.Value | None:
-    """``x`` when ``value`` is ``Transpose(x, perm=(0, 2, 1, 3))`` read by nothing else."""
+    """``x`` when ``value`` is ``Transpose(x, perm=(0, 2, 1, 3))`` (the Transpose stays for any
+    other reader; once none is left, the pass's clean-up drops it)."""
     node = value.producer()
     if node is None or node.op_type != "Transpose" or not is_default(node):
         return None
@@ -83,7 +84,7 @@ class GroupQueryAttentionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.rewritten = 0
         for graph in graphs(model):
-            shared: dict[int, tuple[ir.Value, ir.Value, ir.Value]] = {}
+            shared: dict[int, tuple[ir.Value, ...]] = {}  # per mask: bias and lengths, made once
             for node in [n for n in graph if n.op_type == "Attention" and is_default(n)]:
                 if self._rewrite(graph, node, shared):
                     self.rewritten += 1
