@@ -91,7 +91,10 @@ def sweep_models() -> list:
         def build():
             config = getattr(transformers, f"{family}Config")(**overrides)
             config.num_labels = 10
-            return transformers.AutoModelForImageClassification.from_config(config)
+            # the family's own class: transformers' auto class cannot build some families from a
+            # bare config (DeiT's: "'NoneType' object is not iterable", its config names no architecture)
+            own = getattr(transformers, f"{family}ForImageClassification", None)
+            return own(config) if own is not None else transformers.AutoModelForImageClassification.from_config(config)
         return build
 
     entries = [ZooModel(f, encoder(f), "tokens", TOKENS) for f in ENCODERS]
