@@ -57,7 +57,10 @@ def _text_config(family: str):
     config = getattr(transformers, f"{family}Config")()
     for key, value in _TEXT.items():
         if hasattr(config, key) or key in getattr(config, "attribute_map", {}):
-            setattr(config, key, value)
+            try:
+                setattr(config, key, value)
+            except NotImplementedError:  # Funnel's depth is its block_sizes, set below
+                continue
     if family == "Funnel":
         config.block_sizes, config.d_model, config.n_head, config.d_head, config.d_inner = [1, 1], 128, 4, 32, 512
     if family == "SqueezeBert":
@@ -69,8 +72,16 @@ def _text_config(family: str):
     if family == "ModernBert":
         config.global_attn_every_n_layers, config.local_attention = 2, 32
         config.num_hidden_layers = 4  # alternating local and global layers
+    if hasattr(config, "pooler_hidden_size"):  # DebertaV2's pooler keeps its default width otherwise
+        config.pooler_hidden_size = config.hidden_size
+    head_dim = config.hidden_size // config.num_attention_heads
     if hasattr(config, "head_dim") and family not in ("Funnel",):
-        config.head_dim = config.hidden_size // config.num_attention_heads
+        try:
+            config.head_dim = head_dim
+        except AttributeError:  # Falcon's head_dim is computed from the sizes above
+            pass
+    if getattr(config, "rotary_dim", None):  # GPT-J, CodeGen: a rotary part wider than a head does not fit
+        config.rotary_dim = min(config.rotary_dim, head_dim)
     config.num_labels = 4
     return config
 
