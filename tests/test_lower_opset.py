@@ -157,13 +157,13 @@ def test_export_onnx_of_a_model_that_splits_evenly_works_at_the_default_opset(tm
     _assert_exported_at_opset_17(Fused().eval(), torch.randn(2, 5, 8), tmp_path / "split.onnx")
 
 
-def _col2im_graph(strides: list[int]) -> onnx.ModelProto:
+def _col2im_graph(strides: list[int], image: tuple[int, int] = (4, 9)) -> onnx.ModelProto:
     """2 channels folded from 2x3 blocks into a 4x9 image (6 blocks when they do not overlap)."""
     graph = helper.make_graph(
         [helper.make_node("Col2Im", ["x", "image", "block"], ["y"], name="fold", strides=strides)], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 12, None])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 4, 9])],
-        [numpy_helper.from_array(np.array([4, 9], np.int64), "image"),
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, *image])],
+        [numpy_helper.from_array(np.array(image, np.int64), "image"),
          numpy_helper.from_array(np.array([2, 3], np.int64), "block")],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -181,6 +181,22 @@ def test_col2im_of_non_overlapping_blocks_becomes_a_reshape_and_transpose():
     runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
             for m in (model, lowered)]
     assert runs[0].shape == (3, 2, 4, 9)
+    assert runs[0].tobytes() == runs[1].tobytes()
+
+
+def test_col2im_whose_blocks_leave_a_margin_pads_it_with_zeros():
+    import onnxruntime as ort
+
+    # 2x3 blocks into 5x10: two rows and three columns of blocks cover 4x9, Col2Im leaves the rest 0
+    # (MobileViTV2 folds 2x2 blocks into its 7x7 maps)
+    model = _col2im_graph([2, 3], image=(5, 10))
+    lowered = lower_opset(model, 17)
+    assert [n.op_type for n in lowered.graph.node] == ["Reshape", "Transpose", "Reshape", "Pad"]
+    onnx.checker.check_model(lowered, full_check=True)
+    x = np.random.default_rng(1).standard_normal((3, 12, 6)).astype(np.float32)
+    runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+            for m in (model, lowered)]
+    assert runs[0].shape == (3, 2, 5, 10) and not runs[0][:, :, 4:, :].any() and runs[0][:, :, :4, :9].all()
     assert runs[0].tobytes() == runs[1].tobytes()
 
 

@@ -6,7 +6,7 @@ pass moves constant ``axes`` back to the attribute, writes a Split's ``num_outpu
 sizes when the split dimension is known, accepts the other operators when they use none of the
 newer options, writes a Col2Im that places non-overlapping blocks (``torch.nn.functional.fold``
 with ``stride == kernel_size``, as MobileViT's patch folding) as the Reshape, Transpose, Reshape
-it is, and refuses anything else with a message naming the node.
+it is (and a Pad for a margin no block reaches), and refuses anything else with a message naming the node.
 """
 
 from __future__ import annotations
@@ -154,8 +154,10 @@ class LowerOpsetPass(ir.passes.InPlacePass):
         """Non-overlapping blocks back in place: Col2Im as Reshape, Transpose, Reshape.
 
         With ``strides == block_shape``, no padding and no dilation, every output pixel comes from
-        exactly one column entry, so the op only moves data: column ``c·∏k + offset`` at block
-        position ``b`` is pixel ``(c, b·k + offset)``. Overlapping blocks are sums, which this
+        at most one column entry, so the op only moves data: column ``c·∏k + offset`` at block
+        position ``b`` is pixel ``(c, b·k + offset)``. When the blocks do not reach the image's
+        end (MobileViTV2 folds 2×2 blocks into a 7×7 map: 3 blocks cover 6 pixels) the margin is
+        Col2Im's empty sum, zeros, written as a Pad. Overlapping blocks are sums, which this
         lowering does not write.
         """
         inputs = [*node.inputs, None, None]
@@ -168,22 +170,27 @@ class LowerOpsetPass(ir.passes.InPlacePass):
         strides = list(_attr(node, "strides") or [1] * rank)
         pads = list(_attr(node, "pads") or [0] * 2 * rank)
         dilations = list(_attr(node, "dilations") or [1] * rank)
-        if strides != block or any(pads) or any(d != 1 for d in dilations) or any(
-                i % b for i, b in zip(image, block)):
+        if strides != block or any(pads) or any(d != 1 for d in dilations) or any(i < b for i, b in zip(image, block)):
             raise self.refuse(node, f"folds blocks {block} with strides {strides}, pads {pads} and dilations "
                                     f"{dilations} into {image}; the lowering writes only non-overlapping, unpadded "
-                                    "blocks (strides equal to the block shape) that tile the image")
+                                    "blocks (strides equal to the block shape)")
         counts = [i // b for i, b in zip(image, block)]
+        tiled = [n * b for n, b in zip(counts, block)]
         # [N, C·∏k, ∏n] → [N, C, k…, n…] → [N, C, n1, k1, n2, k2, …] → [N, C, image…]; 0 keeps N
         first = ir.node("Reshape", [node.inputs[0], self.int64s(node, "blocks", [0, -1, *block, *counts], in_function)])
         perm = [0, 1] + [axis for pair in zip(range(2 + rank, 2 + 2 * rank), range(2, 2 + rank)) for axis in pair]
         moved = ir.node("Transpose", [first.outputs[0]], {"perm": perm})
-        last = ir.node("Reshape", [moved.outputs[0], self.int64s(node, "image", [0, -1, *image], in_function)])
-        for new in (first, moved, last):
+        last = ir.node("Reshape", [moved.outputs[0], self.int64s(node, "image", [0, -1, *tiled], in_function)])
+        added = [first, moved, last]
+        if tiled != image:  # the pixels no block reaches: zeros after the last block, per axis
+            margin = [0] * (2 + rank) + [0, 0] + [i - t for i, t in zip(image, tiled)]
+            added.append(ir.node("Pad", [last.outputs[0], self.int64s(node, "margin", margin, in_function)],
+                                 {"mode": "constant"}))
+        for new in added:
             new.name = unique_name(f"{node.name or node.outputs[0].name}_{new.op_type.lower()}", self.taken)
         self.unread.extend(v for v in node.inputs[1:] if v is not None)
-        ir.convenience.replace_nodes_and_values(node.graph, node, [node], [first, moved, last],
-                                                [node.outputs[0]], [last.outputs[0]])
+        ir.convenience.replace_nodes_and_values(node.graph, node, [node], added,
+                                                [node.outputs[0]], [added[-1].outputs[0]])
 
     def lower_node(self, node: ir.Node, in_function: bool) -> None:
         if not is_default(node):
