@@ -29,6 +29,8 @@ from ._io import (
 from .errors import InvalidArgumentError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+#: ONNX Runtime's contrib operators (Gelu, GroupQueryAttention, SkipSimplifiedLayerNormalization, …).
+CONTRIB_DOMAIN = "com.microsoft"
 #: Ops that carry a weight from its constant to its reader without changing its shape.
 PASS_THROUGH = ("DequantizeLinear", "QuantizeLinear", "Cast", "Identity")
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import drop_unread_constants, is_default, is_scalar, nodes, only_reader, other_input
+from .._ir import CONTRIB_DOMAIN, drop_unread_constants, is_default, is_scalar, nodes, only_reader, other_input
 from .gelu_order import one_plus_erf
-
-CONTRIB_DOMAIN = "com.microsoft"
 
 
 def _ordered_gelu(div: ir.Node) -> list[ir.Node] | None:

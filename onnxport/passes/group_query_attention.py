@@ -33,9 +33,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from .._ir import graphs, is_default, only_reader
+from .._ir import CONTRIB_DOMAIN, graphs, is_default, only_reader
 
-CONTRIB_DOMAIN = "com.microsoft"
 _TO_HEADS = (0, 2, 1, 3)
 
 
