@@ -308,6 +308,46 @@ def test_addmm_weights_are_quantized_per_output_channel_and_run_as_qgemm(tmp_pat
     assert any(n.op_type == "QuantizeLinear" and n.input[0] == gemm_out for n in graph.node)  # QNN's: quantized
 
 
+class _HandWrittenLinear(torch.nn.Module):
+    """transformers' Falcon projection: ``x @ self.weight.T`` on an (out, in) parameter, the bias
+    added apart (or ``x @ w`` on an (in, out) one), read by a second such layer."""
+
+    def __init__(self, transpose) -> None:
+        super().__init__()
+        self.transpose = transpose
+        self.first = torch.nn.Parameter(torch.randn(32, 16) * 0.25)
+        self.bias = torch.nn.Parameter(torch.randn(32) * 0.1)
+        self.second = torch.nn.Parameter(torch.randn(8, 32) * 0.2)
+
+    def forward(self, x):
+        hidden = torch.relu(x @ self.transpose(self.first) + self.bias)
+        return hidden @ self.transpose(self.second)
+
+
+@pytest.mark.parametrize("transpose", [lambda w: w.T, lambda w: w.t(), lambda w: w.transpose(0, 1),
+                                       lambda w: w.permute(1, 0)], ids=["T", "t", "transpose", "permute"])
+def test_a_product_with_a_parameter_matrix_is_quantized_as_a_linear_layer(tmp_path, transpose):
+    torch.manual_seed(0)
+    model = _HandWrittenLinear(transpose).eval()
+    calibration = [torch.randn(2, 6, 16) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    products = [n for n in quantized.graph.nodes if n.target == torch.ops.aten.matmul.default]
+    assert len(products) == 2
+    for product in products:
+        weight = product.args[1]
+        assert weight.target == torch.ops.quantized_decomposed.dequantize_per_channel.default
+        assert weight.args[3] == 1  # the product's (in, out) matrix: output channels on axis 1
+    path = export_qdq(quantized, calibration[0], tmp_path / "m.onnx")
+    report = qdq_report(path)
+    assert report.extra["ort_int8"]["MatMul"] == {"int8": 2, "float": 0}
+    assert ort_optimised_ops(path)["MatMulIntegerToFloat"] == 2
+    # the second product is the model's output: nothing requantizes it
+    graph = onnx.load(path).graph
+    last = next(n for n in graph.node if n.output[0] == graph.output[0].name)
+    assert last.op_type == "MatMul"
+    assert compare_qdq(quantized, path, torch.randn(4, 6, 16), rounding_floor=True).outputs[0].within_floor
+
+
 def test_presets_disagree_where_they_must(preset_files):
     assert check_target(preset_files["resnet", "onnxruntime"], "tensorrt")  # uint8: TensorRT refuses
     assert check_target(preset_files["resnet", "tensorrt"], "onnxruntime")  # int8 activations, ReLU kept

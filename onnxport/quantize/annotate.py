@@ -288,7 +288,33 @@ def _conv_transpose(node: Node, ctx: AnnotationContext) -> None:
     _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight_transposed}, ctx)
 
 
-_PRODUCTS = (aten.matmul.default, aten.bmm.default)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default, aten.mm.default)
+#: A parameter read through one of these is the parameter laid out again (Falcon's and RWKV's
+#: ``x @ self.weight.T``).
+_TRANSPOSES = (aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default)
+_WEIGHT_PRODUCT = "onnxport_weight_product"
+
+
+def _product_weight(node: Node) -> Node | None:
+    """The weight of a product that is a linear layer written by hand: ``x @ W`` where ``W`` is a
+    matrix computed from parameters alone (a parameter, or one transposed). ``W`` is then (in, out),
+    its output channels along axis 1, as addmm's are; ``None`` for a product of two activations."""
+    if node.target not in _PRODUCTS or len(node.args) < 2:
+        return None
+    x, weight = node.args[:2]
+    if not (is_float_tensor(x) and not is_constant(x) and is_float_tensor(weight) and is_constant(weight)):
+        return None
+    if weight.meta["val"].dim() != 2:
+        return None
+    source = weight
+    while source.op == "call_function" and source.target in _TRANSPOSES:
+        source = source.args[0]
+    return weight if source.op == "get_attr" else None
+
+
+def is_weight_product(node: Node) -> bool:
+    """Whether the annotation took ``node`` as a linear layer (see :func:`_product_weight`)."""
+    return bool(node.meta.get(_WEIGHT_PRODUCT))
 
 
 def _reads_quantized_operands(node: Node) -> bool:
@@ -303,6 +329,14 @@ def _reads_quantized_operands(node: Node) -> bool:
 @annotates(*_PRODUCTS, aten.mul.Tensor, aten.mul_.Tensor, *ADD_OPS)
 def _binary(node: Node, ctx: AnnotationContext) -> None:
     if not is_float_tensor(node):
+        return
+    weight = _product_weight(node)
+    if weight is not None:
+        # quantized as a linear layer, weight per output channel: left float, ONNX Runtime runs the
+        # product in float between a pair on x and the float matrix (Falcon's 8 of 13 MatMuls)
+        x = node.args[0]
+        node.meta[_WEIGHT_PRODUCT] = True
+        _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight_transposed}, ctx)
         return
     # A parameter, or a tensor computed from parameters alone (a position embedding looked up by
     # an arange, a causal mask), stays float: it is no activation. Quantized as one, the exporter
@@ -494,7 +528,8 @@ def _leave_linear_outputs_float(model: GraphModule) -> None:
     (the logits), or a tensor only float ops read (GELU's parts, a float residual Add)."""
     for node in model.graph.nodes:
         annotation = annotation_of(node)
-        if node.target not in _LINEAR_OPS or annotation is None or annotation.output_qspec is None:
+        if not (node.target in _LINEAR_OPS or is_weight_product(node)) or annotation is None \
+                or annotation.output_qspec is None:
             continue
         if not _read_quantized(node):
             _clear_sharing_readers(node)
