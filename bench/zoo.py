@@ -86,7 +86,8 @@ def zoo_models() -> list:
     ]
 
 
-def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[str, dict[int, list[float]]]:
+def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray], runs: int = RUNS,
+               rounds: int = ROUNDS) -> dict[str, dict[int, list[float]]]:
     """Each round's median milliseconds per file and batch (:func:`onnxport.runtime.interleaved_ms`:
     in a round each file runs alone in a fresh session, the order rotating)."""
     import onnxruntime as ort
@@ -104,7 +105,7 @@ def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray]) -> dict[st
     name = onnx.load(str(next(iter(files.values()))), load_external_data=False).graph.input[0].name
     batches = list(inputs)
     feeds = [{name: inputs[batch]} for batch in batches]
-    timed = interleaved_ms(files, feeds, rounds=ROUNDS, runs=RUNS, warmup=WARMUP, session_options=options)
+    timed = interleaved_ms(files, feeds, rounds=rounds, runs=runs, warmup=WARMUP, session_options=options)
     return {name: dict(zip(batches, per_feed)) for name, per_feed in timed.items()}
 
 

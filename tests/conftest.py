@@ -32,6 +32,14 @@ def assert_faithful(quantized, path, sample, **kwargs) -> None:
         assert first.within_floor, first
 
 
+def activation_products(path) -> int:
+    """How many MatMuls of the file multiply two activations (attention's q·kᵀ and p·v), which
+    the 'onnxruntime' preset leaves float on purpose (``qdq_report`` names each)."""
+    from onnxport import qdq_report
+
+    return sum("two activations" in (op.why_float or "") for op in qdq_report(path, ort=False).compute_ops)
+
+
 def listing(directory: Path) -> dict[str, str]:
     """Every file below ``directory`` with a hash of its bytes: proves 'nothing was written'."""
     return {

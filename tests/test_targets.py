@@ -21,7 +21,7 @@ from onnxport import (
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.qdq.stats import ort_int8_counts, ort_optimised_ops
 from onnxport.targets import get_target
-from tests.conftest import listing
+from tests.conftest import activation_products, listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer
 
 TARGETS = ("tensorrt", "onnxruntime", "qnn", "openvino")
@@ -348,6 +348,44 @@ def test_a_product_with_a_parameter_matrix_is_quantized_as_a_linear_layer(tmp_pa
     assert compare_qdq(quantized, path, torch.randn(4, 6, 16), rounding_floor=True).outputs[0].within_floor
 
 
+class _HandWrittenAttention(torch.nn.Module):
+    """LeViT's and Swin's attention: ``softmax(q @ kᵀ · scale + bias) @ v``, no SDPA call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.bias = torch.nn.Parameter(torch.randn(4, 6, 6) * 0.1)
+        self.out = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5 + self.bias
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
+
+
+def test_products_of_two_activations_stay_float_for_onnxruntime_and_are_quantized_for_openvino(tmp_path):
+    torch.manual_seed(0)
+    model = _HandWrittenAttention().eval()
+    calibration = [torch.randn(2, 6, 32) for _ in range(2)]
+    check = torch.randn(4, 6, 32)
+    for target, quantized_products in (("onnxruntime", 0), ("openvino", 2)):
+        quantized = Quantizer(target=target).quantize(model, calibration)
+        path = export_qdq(quantized, calibration[0], tmp_path / f"{target}.onnx")
+        graph = onnx.load(path).graph
+        stored = {t.name for t in graph.initializer}
+        weights = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in stored}
+        linear_names = {n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights}
+        ops = qdq_report(path, ort=False).compute_ops
+        products = [op for op in ops if op.name not in linear_names]
+        linears = [op for op in ops if op.name in linear_names]
+        assert len(products) == 2 and sum(op.quantized for op in products) == quantized_products, ops
+        assert linears and all(op.quantized for op in linears)
+        if not quantized_products:
+            assert all("two activations" in op.why_float for op in products)
+        assert compare_qdq(quantized, path, check, rounding_floor=True).outputs[0].within_floor
+
+
 def test_presets_disagree_where_they_must(preset_files):
     assert check_target(preset_files["resnet", "onnxruntime"], "tensorrt")  # uint8: TensorRT refuses
     assert check_target(preset_files["resnet", "tensorrt"], "onnxruntime")  # int8 activations, ReLU kept
@@ -516,6 +554,6 @@ def test_a_static_text_file_keeps_every_linear_int8_in_ort(tmp_path):
     quantized = Quantizer(backend="pt2e", target="onnxruntime").quantize(model, [ids[i : i + 1] for i in range(4)])
     path = export_qdq(quantized, ids[:1], tmp_path / "bert.onnx")  # the default: every shape fixed
     ops = ort_optimised_ops(path)
-    assert ops["Gemm"] == ops["MatMul"] == ops["FusedMatMul"] == 0, ops
+    assert ops["Gemm"] == 0 and ops["MatMul"] + ops["FusedMatMul"] == activation_products(path) == 2 * 2, ops
     assert ops["MatMulIntegerToFloat"] + ops["QGemm"] >= 2 * 6 + 2, ops  # 6 linears a layer, pooler, classifier
     assert all(o.within_floor for o in compare_qdq(quantized, path, ids, rounding_floor=True).outputs)

@@ -199,6 +199,10 @@ def _why_float(node: ir.Node) -> str | None:
     if not _dequantized(node.inputs[0]):
         if len(node.inputs) > 1 and _dequantized(node.inputs[1]):
             return "weight-only: its weight is dequantized, its input stays float"
+        if node.op_type == "MatMul" and len(node.inputs) > 1 and node.inputs[1] is not None \
+                and const_tensor(node.inputs[1]) is None and _producer(node.inputs[1]) is not None:
+            return ("a product of two activations (attention), left float: ONNX Runtime's INT8 form "
+                    "(QLinearMatMul, u8 x u8) is not faster than its float MatMul on x86")
         return "its input is not dequantized"
     if len(node.inputs) > 1 and not _dequantized(node.inputs[1]):
         if node.op_type == "MatMul" and node.inputs[1] is not None and node.inputs[1].const_value is None:

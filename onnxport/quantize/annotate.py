@@ -64,6 +64,9 @@ class AnnotationContext:
     #: pair there would requantize and dequantize, for nothing, what may be the largest tensor of
     #: a language model (GPT-2's logits: 128 × 50257).
     float_linear_outputs: bool = False
+    #: Leave a product of two activations float (ONNX Runtime: its QLinearMatMul of two uint8
+    #: tensors is no faster than the float MatMul, and the pairs around it cost a pass each).
+    float_activation_products: bool = False
     #: Quantize an Add/Mul only when both operands are activations their producers quantize. ONNX
     #: Runtime runs an elementwise op in INT8 only between pairs on both inputs (a float constant
     #: operand, such as GELU's 0.5 or a layer scale, keeps it float), and an INT8 Add/Mul beside
@@ -338,6 +341,8 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
         node.meta[_WEIGHT_PRODUCT] = True
         _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight_transposed}, ctx)
         return
+    if node.target in _PRODUCTS and ctx.float_activation_products:
+        return
     # A parameter, or a tensor computed from parameters alone (a position embedding looked up by
     # an arange, a causal mask), stays float: it is no activation. Quantized as one, the exporter
     # folds it into a stored table with activation parameters, which OpenVINO cannot even load
@@ -465,7 +470,10 @@ def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
     """Annotate every supported operator of ``model`` in graph order (producers first)."""
     mark_constants(model)
     for node in model.graph.nodes:
-        if node.op != "call_function" or is_annotated(node):
+        # a tensor computed from parameters alone (Funnel's sinusoid position table, a mask) is
+        # folded into a stored constant at export; a pair inside that computation stops the folding,
+        # and the file recomputes it at every run (Funnel: 2 Einsums and 2 GatherElements more)
+        if node.op != "call_function" or is_annotated(node) or is_constant(node):
             continue
         if _attention_part(node, ctx):
             continue

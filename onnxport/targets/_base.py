@@ -31,6 +31,9 @@ class Annotation:
             them between Q/DQ pairs.
         int8_attention: split attention into its products and softmax and quantize both
             operands of each product: the consumer multiplies two activations in INT8.
+        float_activation_products: leave every product of two activations (attention's q·kᵀ and
+            p·v, split from SDPA or written by hand) float: the consumer's INT8 form of it is no
+            faster than its float one.
         float_linear_outputs: leave a linear layer's output that nothing reads quantized
             unquantized: the consumer has a Gemm/MatMul with quantized inputs and a float output.
         elementwise_on_quantized: quantize an Add/Mul only when both operands already are: the
@@ -45,6 +48,7 @@ class Annotation:
     activation_bits: tuple[int, ...] = (8,)
     int8_sigmoid: bool = False
     int8_attention: bool = False
+    float_activation_products: bool = False
     float_linear_outputs: bool = False
     elementwise_on_quantized: bool = False
     int32_bias: bool = False
