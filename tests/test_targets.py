@@ -364,6 +364,39 @@ class _HandWrittenAttention(torch.nn.Module):
         return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, 32))
 
 
+class _JoinedHalves(torch.nn.Module):
+    """CodeGen's rotary embedding: two halves computed in float (products with constants), joined,
+    read by a product of two activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        a, b = self.proj(x).chunk(2, dim=-1)
+        joined = torch.cat([a * 0.5 - b * 0.25, b * 0.5 + a * 0.25], dim=-1)
+        return joined @ joined.transpose(-2, -1)
+
+
+def test_a_concat_nothing_reads_quantized_gets_no_pair(tmp_path):
+    torch.manual_seed(0)
+    model = _JoinedHalves().eval()
+    calibration = [torch.randn(2, 6, 16) for _ in range(2)]
+    quantized = Quantizer(target="onnxruntime").quantize(model, calibration)
+    path = export_qdq(quantized, calibration[0], tmp_path / "m.onnx")
+    graph = onnx.load(path).graph
+    # the input's pair for the projection, nothing more: the halves are float, and so is the product
+    assert [n.op_type for n in graph.node].count("QuantizeLinear") == 1
+    assert not any(n.op_type == "DequantizeLinear" for n in graph.node
+                   if any(r.op_type == "Concat" for r in graph.node if n.output[0] in r.input))
+    assert compare_qdq(quantized, path, torch.randn(4, 6, 16), rounding_floor=True).outputs[0].within_floor
+    # QNN runs a graph quantized end to end: its Concat keeps its pair
+    qnn = export_qdq(Quantizer(target="qnn").quantize(model, calibration), calibration[0], tmp_path / "q.onnx")
+    qnn_graph = onnx.load(qnn).graph
+    concat = next(n for n in qnn_graph.node if n.op_type == "Concat")
+    assert any(n.op_type == "QuantizeLinear" and n.input[0] == concat.output[0] for n in qnn_graph.node)
+
+
 def test_products_of_two_activations_stay_float_for_onnxruntime_and_are_quantized_for_openvino(tmp_path):
     torch.manual_seed(0)
     model = _HandWrittenAttention().eval()

@@ -116,6 +116,7 @@ SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.defaul
 #: Zero padding: 0 is exactly representable in every pt2e range (its zero-point), so the padded
 #: tensor keeps its input's parameters; another fill value would need its own.
 PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
+CAT_OPS = (aten.cat.default, aten.concat.default)
 
 
 def is_annotated(node: Node) -> bool:
@@ -376,7 +377,7 @@ def _leaky_relu(node: Node, ctx: AnnotationContext) -> None:
         _annotate(node, {x: input_spec(x, ctx)}, ctx.activation)
 
 
-@annotates(aten.cat.default, aten.concat.default)
+@annotates(*CAT_OPS)
 def _cat(node: Node, ctx: AnnotationContext) -> None:
     tensors = [t for t in node.args[0] if is_float_tensor(t)]
     if not tensors or len(tensors) != len(node.args[0]):
@@ -481,6 +482,7 @@ def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
         if annotator is not None:
             annotator(node, ctx)
     if ctx.float_linear_outputs:
+        _leave_unread_concats_float(model)
         _leave_linear_outputs_float(model)
     return model
 
@@ -529,6 +531,25 @@ def _clear_sharing_readers(node: Node) -> None:
             continue
         _clear_sharing_readers(user)
         user.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
+
+
+def _leave_unread_concats_float(model: GraphModule) -> None:
+    """Drop the annotation of every Concat that nothing reads quantized and that quantizes a float
+    producer's output (CodeGen's rotary halves joined before a float product): its pairs would
+    quantize that output on the way in and dequantize it on the way out, two passes for nothing.
+    A Concat of tensors their producers quantize anyway keeps its pair (ORT's QLinearConcat, as in
+    DenseNet's blocks). Readers first, so a Concat read only by another such Concat goes too."""
+    for node in reversed(list(model.graph.nodes)):
+        annotation = annotation_of(node)
+        if node.target in CAT_OPS and annotation is not None and annotation.output_qspec is not None \
+                and not _read_quantized(node) and any(_float_producer(t) for t in annotation.input_qspec_map):
+            _clear_sharing_readers(node)
+            node.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
+
+
+def _float_producer(tensor: Node) -> bool:
+    producer = annotation_of(tensor)
+    return producer is None or producer.output_qspec is None
 
 
 def _leave_linear_outputs_float(model: GraphModule) -> None:
