@@ -336,8 +336,8 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
         return
     weight = _product_weight(node)
     if weight is not None:
-        # quantized as a linear layer, weight per output channel: left float, ONNX Runtime runs the
-        # product in float between a pair on x and the float matrix (Falcon's 8 of 13 MatMuls)
+        # a linear layer written by hand: taken as a product of two tensors, its weight stayed
+        # float and ONNX Runtime ran it in float (8 of Falcon's 13 MatMuls)
         x = node.args[0]
         node.meta[_WEIGHT_PRODUCT] = True
         _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight_transposed}, ctx)
