@@ -122,12 +122,10 @@ ROUND_MS = float(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUND_MS", "150"))
 
 def _runs_for(fp32: Path, sample) -> int:
     """Runs per round so that a round of the FP32 file lasts about ``ROUND_MS`` (6 to 200)."""
-    import onnx
-
     from onnxport.runtime import make_session
 
     session = make_session(str(fp32), optimized=True)
-    feed = {onnx.load(str(fp32), load_external_data=False).graph.input[0].name: sample}
+    feed = {session.get_inputs()[0].name: sample}
     for _ in range(3):
         session.run(None, feed)
     start = time.perf_counter()

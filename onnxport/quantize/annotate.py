@@ -128,6 +128,12 @@ def annotation_of(node: Node) -> QuantizationAnnotation | None:
     return node.meta.get(Q_ANNOTATION_KEY)
 
 
+def has_pair(node: Node) -> bool:
+    """Whether ``node``'s producer annotation quantizes its output (gives it a Q/DQ pair)."""
+    annotation = annotation_of(node)
+    return annotation is not None and annotation.output_qspec is not None
+
+
 def _annotate(node: Node, inputs: dict[Node, object] | None = None, output: object | None = None) -> None:
     annotation = node.meta.get(Q_ANNOTATION_KEY) or QuantizationAnnotation()
     if inputs:
@@ -214,8 +220,7 @@ def input_spec(arg: Node, ctx: AnnotationContext) -> object:
     Sharing the producer's observer means one Q/DQ pair per tensor, whatever spec (signed or
     unsigned) the producer chose.
     """
-    producer = annotation_of(arg)
-    if producer is not None and producer.output_qspec is not None:
+    if has_pair(arg):
         return SharedQuantizationSpec(arg)
     # A float producer may still hold no negatives: a ReLU after a norm (BiT's GroupNorm + ReLU),
     # seen through zero pads and pools. It gets the unsigned range a target asks for after a ReLU,
@@ -325,8 +330,7 @@ def _reads_quantized_operands(node: Node) -> bool:
     """Both operands are activations that their producers already quantize."""
     operands = node.args[:2]
     return len(operands) == 2 and all(
-        isinstance(a, Node) and not is_constant(a) and (annotation_of(a) is not None)
-        and annotation_of(a).output_qspec is not None for a in operands
+        isinstance(a, Node) and not is_constant(a) and has_pair(a) for a in operands
     )
 
 
@@ -420,9 +424,8 @@ def _sharing(node: Node, ctx: AnnotationContext) -> None:
     x = node.args[0]
     if not is_float_tensor(x) or (node.target in PAD_OPS and not is_zero_padding(node)):
         return
-    producer = annotation_of(x)
     # Only continue a quantized tensor: a reshape of a float tensor needs no pair of its own.
-    if producer is None or producer.output_qspec is None:
+    if not has_pair(x):
         return
     if ctx.post_relu is not None and _non_negative(node) and not _unsigned(x, ctx):
         # a ReLU no producer's epilogue took, after a signed pair (a pool's, a concat's): its own
@@ -435,8 +438,7 @@ def _sharing(node: Node, ctx: AnnotationContext) -> None:
 @annotates(*SPLIT_OPS)
 def _split(node: Node, ctx: AnnotationContext) -> None:
     x = node.args[0]
-    producer = annotation_of(x) if is_float_tensor(x) else None
-    if producer is None or producer.output_qspec is None:
+    if not (is_float_tensor(x) and has_pair(x)):
         return
     # every piece keeps the whole's parameters (Res2Net's and CSPNet's channel splits), so that an
     # Add of a piece and a conv output runs in INT8 and ORT splits the integers
@@ -540,16 +542,10 @@ def _leave_unread_concats_float(model: GraphModule) -> None:
     A Concat of tensors their producers quantize anyway keeps its pair (ORT's QLinearConcat, as in
     DenseNet's blocks). Readers first, so a Concat read only by another such Concat goes too."""
     for node in reversed(list(model.graph.nodes)):
-        annotation = annotation_of(node)
-        if node.target in CAT_OPS and annotation is not None and annotation.output_qspec is not None \
-                and not _read_quantized(node) and any(_float_producer(t) for t in annotation.input_qspec_map):
+        if node.target in CAT_OPS and has_pair(node) and not _read_quantized(node) \
+                and not all(has_pair(t) for t in annotation_of(node).input_qspec_map):
             _clear_sharing_readers(node)
             node.meta[Q_ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
-
-
-def _float_producer(tensor: Node) -> bool:
-    producer = annotation_of(tensor)
-    return producer is None or producer.output_qspec is None
 
 
 def _leave_linear_outputs_float(model: GraphModule) -> None:
