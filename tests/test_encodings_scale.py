@@ -61,6 +61,103 @@ def run(path_or_model) -> np.ndarray:
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"]).run(None, {"x": X})[0]
 
 
+# -- large entries are held as outlines and read again when written ----------------------------------------
+def _conversions(monkeypatch, model, encodings, **kwargs) -> tuple[onnx.ModelProto, onnx.ModelProto, list[str]]:
+    """The conversion with every entry's values held, and with every multi-scale entry outlined
+    (its values set aside in a file and read back when written); the names read back, in order."""
+    monkeypatch.setattr(convert, "_OUTLINE_BYTES", 2**62)
+    held = encodings_to_onnx_qdq(model, encodings, **kwargs)
+    again: list[str] = []
+    values = convert._SetAside.values
+
+    def counted(self, outline):
+        again.append(outline.name)
+        return values(self, outline)
+
+    monkeypatch.setattr(convert._SetAside, "values", counted)
+    monkeypatch.setattr(convert, "_OUTLINE_BYTES", -1)
+    outlined = encodings_to_onnx_qdq(model, encodings, **kwargs)
+    return held, outlined, again
+
+
+def _canonical(model: onnx.ModelProto) -> tuple:
+    """A model's nodes and initializers whatever their order (outlines write a moved weight right
+    after its source, instead of after every other entry)."""
+    nodes = sorted(n.SerializeToString() for n in model.graph.node)
+    inits = sorted((t.name, numpy_helper.to_array(t).tobytes()) for t in model.graph.initializer)
+    return nodes, inits, [o.SerializeToString() for o in model.graph.output]
+
+
+@pytest.mark.parametrize("prequantize", [False, True])
+def test_outlined_entries_convert_exactly_like_held_ones_moved_weights_too(monkeypatch, prequantize):
+    """A 7B model's int4 grids are set aside as they are read and read back one at a time; the
+    file is the same, including weights moved through a Transpose chain (blocks re-laid)."""
+    w = RNG.standard_normal((64, 32)).astype(np.float32)  # read through two Transposes: moved twice
+    v = RNG.standard_normal((32, 16)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("Transpose", ["Wt"], ["Wtt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "Wtt"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Reshape", ["r", "shape"], ["rr"]),
+             helper.make_node("MatMul", ["rr", "V"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 16])],
+                              [numpy_helper.from_array(w, "W"), numpy_helper.from_array(v, "V"),
+                               numpy_helper.from_array(np.array([2, 32], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    blocks = np.abs(w.reshape(4, 16, 32)).max(axis=1)  # block 16 along axis 0 (in)
+    encodings = {"version": "2.0.0", "encodings": [
+        {"name": "W", "output_dtype": "int4", "axis": 0, "block_size": 16,
+         "y_scale": (blocks / 7).astype(np.float32).tolist()},
+        {"name": "V", "output_dtype": "int4", "axis": 0, "block_size": 16,
+         "per_block_int_scale": np.clip(np.ceil(np.abs(v.reshape(2, 16, 16)).max(axis=1) / 7 / 0.01), 1, 16).astype(int).tolist(),
+         "per_channel_float_scale": [[0.01] * 16]},
+        {"name": "x", "output_dtype": "uint8", "y_scale": 0.03, "y_zero_point": 128},
+        {"name": "r", "output_dtype": "uint8", "y_scale": 0.05},
+    ]}
+    held, outlined, again = _conversions(monkeypatch, model, encodings, prequantize_constants=prequantize)
+    assert again == ["W", "V"]  # only the multi-scale entries, in the file's order
+    assert _canonical(outlined) == _canonical(held)
+    quantized = {n.input[0] for n in outlined.graph.node if n.op_type == "QuantizeLinear"}
+    assert {"Wt", "Wtt"} <= quantized  # each moved weight took W's blocks, re-laid
+    x = RNG.standard_normal((2, 64)).astype(np.float32)
+
+    def out(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    np.testing.assert_array_equal(out(outlined), out(held))
+
+
+@pytest.mark.parametrize("strategy", [valid_v2("2.0.0"), valid_v2("2.1.0"), valid_v100(), valid_v061()],
+                         ids=["2.0.0", "2.1.0", "1.0.0", "0.6.1"])
+def test_outlined_entries_convert_exactly_like_held_ones_in_every_version(strategy, monkeypatch):
+    @settings(max_examples=10, deadline=None, derandomize=True, database=None)
+    @given(strategy)
+    def check(data):
+        held, outlined, _ = _conversions(monkeypatch, MODEL, data)
+        assert _canonical(outlined) == _canonical(held)
+
+    check()
+
+
+def test_the_insert_pass_refuses_an_outline_it_has_no_values_for():
+    """An outline's arrays are stand-ins (zeros): written as they are, they would be a wrong file."""
+    import collections
+
+    import onnx_ir as ir
+
+    from onnxport.encodings.formats import parse_encodings
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W1"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", T.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, [2, 32])], [numpy_helper.from_array(W1, "W1")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    entry = parse_encodings({"version": "2.0.0", "encodings": ENCODINGS["encodings"][:1]}).entries[0]
+    outline = convert._outline(entry)
+    assert outline.outlined and outline.scale.shape == entry.scale.shape and outline.scale.strides == (0, 0)
+    with pytest.raises(ValueError, match="'W1' is an outline"):
+        convert.InsertEncodingsPass(collections.deque([outline]), prequantize=False, scratch=None)(model)
+
+
 # -- large encodings files are read one entry at a time ------------------------------------------------
 @pytest.mark.parametrize("strategy", [valid_v2("2.0.0"), valid_v2("2.1.0"), valid_v100(), valid_v061()],
                          ids=["2.0.0", "2.1.0", "1.0.0", "0.6.1"])

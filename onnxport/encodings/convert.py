@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import copy
 import os
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +34,7 @@ from .._ir import (
 )
 from ..errors import ExportRefusedError, InvalidArgumentError, OnnxportWarning
 from .axes import TensorInfo, resolve
+from .derive import Move, derive_encodings, moved_parameter
 from .formats import (
     DTYPES,
     ENCODES_MARK,
@@ -386,6 +389,93 @@ def _narrowest(values: np.ndarray) -> str:
     return dtype
 
 
+# -- outlines --------------------------------------------------------------------------------------------
+#: An entry whose values take more than this is held as an outline until it is written: a 7B
+#: model's int4 block grids are 210 MB of float32, more than the rest of the conversion needs.
+_OUTLINE_BYTES = 1 << 16
+
+
+def _arrays(entry: Encoding) -> list[np.ndarray]:
+    meta = [entry.meta.x, entry.meta.x_scale, entry.meta.x_zero_point] if entry.meta is not None else []
+    return [np.asarray(a) for a in (entry.scale, entry.zero_point, *meta) if a is not None]
+
+
+def _stand_in(values: np.ndarray | None) -> np.ndarray | None:
+    """An array of ``values``' shape and type that holds one element (all strides 0)."""
+    if values is None:
+        return None
+    values = np.asarray(values)
+    return np.broadcast_to(np.zeros((), values.dtype), values.shape)
+
+
+def _outline(entry: Encoding) -> Encoding:
+    """``entry`` with every array replaced by its stand-in: what the opset, the derivation and the
+    checks read (shapes, types, axes), without the values. A double-quantized scale's integer type
+    is settled here, from the values, as ``required_opset`` needs it."""
+    meta = entry.meta
+    if meta is not None:
+        meta = copy.copy(meta)
+        # set directly: ScaleMeta's __post_init__ would make the stand-ins whole arrays again
+        for key in ("x", "x_scale", "x_zero_point"):
+            object.__setattr__(meta, key, _stand_in(getattr(entry.meta, key)))
+        object.__setattr__(meta, "x_dtype", entry.meta.x_dtype or _narrowest(entry.meta.x))
+    return entry.with_(scale=_stand_in(entry.scale), zero_point=_stand_in(entry.zero_point), meta=meta, outlined=True)
+
+
+class _SetAside:
+    """Large entries' values, written to an unnamed temporary file as the encodings are read, and
+    read back one entry at a time when it is written (with the weights moved from it, by the same
+    moves as its outline). The file's pages are the kernel's cache, not this process's memory."""
+
+    _FIELDS = ("scale", "zero_point", "x", "x_scale", "x_zero_point")
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile(prefix="onnxport-encodings-")
+        self.where: dict[str, dict[str, tuple[int, np.dtype, tuple[int, ...]]]] = {}
+        self.moves: dict[str, list[Move]] = {}  # filled by the derivation
+
+    def __enter__(self) -> _SetAside:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def put(self, entry: Encoding) -> Encoding:
+        """Write ``entry``'s arrays; its outline in return."""
+        meta = entry.meta
+        arrays = {"scale": entry.scale, "zero_point": entry.zero_point}
+        if meta is not None:
+            arrays.update(x=meta.x, x_scale=meta.x_scale, x_zero_point=meta.x_zero_point)
+        record = {}
+        for key, values in arrays.items():
+            if values is not None:
+                values = np.ascontiguousarray(values)
+                record[key] = (self.file.tell(), values.dtype, values.shape)
+                self.file.write(values.tobytes())
+        self.where[entry.name] = record
+        return _outline(entry)
+
+    def _read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        count = int(np.prod(shape, dtype=np.int64))
+        raw = os.pread(self.file.fileno(), count * dtype.itemsize, offset)
+        return np.frombuffer(bytearray(raw), dtype, count).reshape(shape)
+
+    def values(self, outline: Encoding) -> list[Encoding]:
+        """The entry ``outline`` stands for, then the weights moved from it."""
+        self.file.flush()
+        read = {key: self._read(*where) for key, where in self.where.pop(outline.name).items()}
+        meta = outline.meta
+        if meta is not None:
+            meta = copy.copy(meta)
+            for key in ("x", "x_scale", "x_zero_point"):
+                object.__setattr__(meta, key, read.get(key))
+        full = [outline.with_(scale=read.get("scale"), zero_point=read.get("zero_point"), meta=meta, outlined=False)]
+        for source in full:  # grows as it goes: a moved weight can be moved again
+            full += [moved_parameter(node, source, before, after, name)
+                     for node, before, after, name in self.moves.get(source.name, ())]
+        return full
+
+
 # -- opset ---------------------------------------------------------------------------------------------
 def required_opset(entries: list[Encoding]) -> int:
     """The oldest default-domain opset that can state every encoding."""
@@ -440,12 +530,16 @@ class InsertEncodingsPass(ir.passes.InPlacePass):
     """Insert the Q/DQ nodes of ``entries`` (resolved encodings, consumed as they are written:
     a 7B model's scale grids are GBs of arrays), each where its tensor is defined, and sort the
     graphs. A tensor already carrying its encoding (a DequantizeLinear marked as encoding it) is
-    left alone, so a second run changes nothing. ``scratch`` holds new large constants on disk."""
+    left alone, so a second run changes nothing. ``scratch`` holds new large constants on disk.
+    ``values`` gives an outlined entry's values back (parsed again) when its turn comes: only one
+    large entry's values are held at a time."""
 
     def __init__(self, entries: collections.deque, *, prequantize: bool, scratch: ScratchTensors | None,
-                 index: Callable[[ir.Model], tuple] | None = None) -> None:
+                 index: Callable[[ir.Model], tuple] | None = None,
+                 values: Callable[[Encoding], list[Encoding]] | None = None) -> None:
         super().__init__()
         self.entries, self.prequantize, self.scratch, self.index = entries, prequantize, scratch, index
+        self.values = values  # an outlined entry → its full entries to write (itself, then its moved weights)
 
     def requires(self, model: ir.Model) -> None:
         need = required_opset(list(self.entries))
@@ -460,9 +554,12 @@ class InsertEncodingsPass(ir.passes.InPlacePass):
         with tqdm(total=len(self.entries), desc="encodings → Q/DQ", unit="tensor", leave=False, disable=None) as bar:
             while self.entries:
                 entry = self.entries.popleft()
-                if entry.name not in encoded:
-                    rewriter.insert(entry, self.prequantize)
-                    modified = True
+                if entry.outlined and self.values is None:
+                    raise ValueError(f"the encoding of '{entry.name}' is an outline, and the pass was given no values for it")
+                for full in self.values(entry) if entry.outlined else [entry]:
+                    if full.name not in encoded:
+                        rewriter.insert(full, self.prequantize)
+                        modified = True
                 bar.update()
         if modified:
             rewriter.finish()
@@ -516,51 +613,63 @@ def encodings_to_onnx_qdq(
         than the model's), which passes ``onnx.checker``. Save it with :func:`onnxport.save_model`
         (which also carries unloaded external weights across).
     """
-    from .derive import derive_encodings
 
     if force_activation_as not in FORCE_CHOICES:
         raise InvalidArgumentError(
             f"force_activation_as must be 'unsigned', 'signed' or None, not {force_activation_as!r}."
         )
-    # the whole file, before the graph
     data = load_encodings(encodings)
     work, proto, base = _load_model(model)  # names and shapes only: weights stay on disk
-    # the whole file before the graph is touched; a name the model lacks is refused before values
-    parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=_names(work))
-    _float_gate(work)
     info, readers, defined = _index(work, _inferred(proto))
-    missing = sorted(e.name for e in parsed.entries if e.name not in info)
-    if missing:  # a node's or an op's name, not a tensor's
-        raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
-    entries: list[Encoding] = []
-    read, parsed.entries = parsed.entries, []  # each entry is held once: resolved replaces read
-    for entry in read:
-        tensor = info[entry.name]
+
+    def prepare(entry: Encoding) -> Encoding:
+        """An entry as it will be written: its axis and blocks resolved against the graph, re-signed."""
+        tensor = info.get(entry.name)
+        if tensor is None:
+            return entry  # a node's name: refused below, with every such name
         if tensor.elem_type not in (None, 0, onnx.TensorProto.FLOAT):
             kind = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
             raise InvalidArgumentError(f"Encoding of '{entry.name}': the tensor is {kind}, and only float tensors can be quantized.")
         entry = resolve(entry, tensor, readers.get(entry.name, []), allow_subnormal=allow_subnormal_scales)
-        is_param = tensor.is_constant or entry.section == "param"
-        if not is_param:
+        if not (tensor.is_constant or entry.section == "param"):
             entry = _force(entry, force_activation_as)
-        entries.append(entry)
-    read = []
-    if derive_data_movement:
-        entries += derive_encodings(work, {e.name: e for e in entries}, info)
-    raised = RaiseOpsetPass(required_opset(entries))(work)
-    # A model whose weights stay on disk gets its new large tensors (prequantized weights, 7B-scale
-    # scale grids) on disk too, in a scratch file that save_model copies from.
-    on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in tensors(work))
-    scratch = ScratchTensors() if on_disk else None
-    # the index of the model as read, unless the opset raise made a new one (its shapes inferred again)
-    index = ((lambda m: _index(m, _inferred(ir.to_proto(m)))) if raised.modified else (lambda m: (info, readers, defined)))
-    queue = collections.deque(entries)
-    del entries  # each entry is held once: the pass drops it once written
-    try:
-        InsertEncodingsPass(queue, prequantize=prequantize_constants, scratch=scratch, index=index)(work)
-    finally:
-        if scratch is not None:
-            scratch.close()
+        return entry
+
+    aside = _SetAside()
+
+    def outline_large(entry: Encoding) -> Encoding:
+        entry = prepare(entry)
+        # a per-tensor entry is a few bytes, and the derivation compares its values
+        large = entry.n_scales > 1 and sum(a.nbytes for a in _arrays(entry)) > _OUTLINE_BYTES
+        return aside.put(entry) if large else entry
+
+    with aside:
+        # The whole file is read and checked before the graph is touched (a name the model lacks is
+        # refused before values are read); large entries' values are set aside until written.
+        _float_gate(work)
+        parsed = parse_encodings(data, allow_subnormal_scales=allow_subnormal_scales, known=_names(work), prepare=outline_large)
+        missing = sorted(e.name for e in parsed.entries if e.name not in info)
+        if missing:  # a node's or an op's name, not a tensor's
+            raise InvalidArgumentError(f"The encodings name tensor(s) the model does not have: {missing}.")
+        entries, parsed.entries = parsed.entries, []
+        if derive_data_movement:
+            # a weight moved from an outline is an outline too: written from its source's values
+            entries += [e for e in derive_encodings(work, {e.name: e for e in entries}, info, aside.moves) if not e.outlined]
+        raised = RaiseOpsetPass(required_opset(entries))(work)
+        # A model whose weights stay on disk gets its new large tensors (prequantized weights, 7B-scale
+        # scale grids) on disk too, in a scratch file that save_model copies from.
+        on_disk = base is not None and any(isinstance(t, ir.ExternalTensor) for t in tensors(work))
+        scratch = ScratchTensors() if on_disk else None
+        # the index of the model as read, unless the opset raise made a new one (its shapes inferred again)
+        index = ((lambda m: _index(m, _inferred(ir.to_proto(m)))) if raised.modified else (lambda m: (info, readers, defined)))
+        queue = collections.deque(entries)
+        del entries  # each entry is held once: the pass drops it once written
+        try:
+            InsertEncodingsPass(queue, prequantize=prequantize_constants, scratch=scratch, index=index,
+                                values=aside.values)(work)
+        finally:
+            if scratch is not None:
+                scratch.close()
     work.metadata_props.pop(EXTERNAL_BASE_KEY, None)
     work.metadata_props.pop("producer", None)
     work.metadata_props["producer"] = "onnxport"

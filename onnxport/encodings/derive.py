@@ -82,7 +82,7 @@ def _moved_axis(node: ir.Node, axis: int, before: tuple[int, ...], after: tuple[
     return found[0] if len(found) == 1 else None
 
 
-def _moved_parameter(node: ir.Node, e: Encoding, before: tuple[int, ...] | None,
+def moved_parameter(node: ir.Node, e: Encoding, before: tuple[int, ...] | None,
                      after: tuple[int, ...] | None, name: str) -> Encoding | None:
     """The encoding of a weight moved by ``node``, re-laid for the moved tensor, or None."""
     if e.dtype == "int32":
@@ -118,8 +118,16 @@ def _perm(node: ir.Node, rank: int) -> list[int]:
     return list(node.attributes.get_ints("perm") or ()) or list(range(rank))[::-1]
 
 
-def derive_encodings(model: ir.Model, known: dict[str, Encoding], info: dict[str, TensorInfo]) -> list[Encoding]:
-    """New encodings for data-movement tensors, from their neighbours (two sweeps, both ways)."""
+Move = tuple[ir.Node, "tuple[int, ...] | None", "tuple[int, ...] | None", str]
+
+
+def derive_encodings(model: ir.Model, known: dict[str, Encoding], info: dict[str, TensorInfo],
+                     moves: dict[str, list[Move]] | None = None) -> list[Encoding]:
+    """New encodings for data-movement tensors, from their neighbours (two sweeps, both ways).
+
+    ``moves``, when given, collects each weight move as ``source → [(node, dims before, dims
+    after, moved name)]``, in the order they were derived, so that an encoding whose values were
+    set aside (an outline) can have its moved encodings computed again from its values."""
     opset = opset_of(model)
     encodings = dict(known)
     derived: dict[str, Encoding] = {}
@@ -148,10 +156,12 @@ def derive_encodings(model: ir.Model, known: dict[str, Encoding], info: dict[str
             if (node.op_type in PARAMETER_MOVERS and weight and source in encodings
                     and computed(node.outputs[0].name) and node.outputs[0].name not in encodings):
                 after = info[node.outputs[0].name].dims
-                derived_entry = _moved_parameter(node, encodings[source], tensor.dims, after, node.outputs[0].name)
+                derived_entry = moved_parameter(node, encodings[source], tensor.dims, after, node.outputs[0].name)
                 if derived_entry is not None:
                     encodings[node.outputs[0].name] = derived[node.outputs[0].name] = derived_entry
                     moved_weights.add(node.outputs[0].name)
+                    if moves is not None:
+                        moves.setdefault(source, []).append((node, tensor.dims, after, node.outputs[0].name))
 
         for order in (movers, list(reversed(movers))):
             for node in order:

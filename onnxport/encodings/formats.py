@@ -133,7 +133,9 @@ class Encoding:
     ``axis`` (per-channel), or the tensor's rank with ``block_size`` along ``axis`` (blockwise).
     ``meta`` replaces ``scale`` for double-quantized scales (LPBQ, 2.1.0 meta encodings).
     ``pending`` marks what the graph must settle: ``'axis'`` (a legacy per-channel entry) or
-    ``'blocks'`` (a legacy per-block/LPBQ entry stored flat).
+    ``'blocks'`` (a legacy per-block/LPBQ entry stored flat). ``outlined``: the arrays are
+    zero-stride stand-ins of the real ones' shapes and types, the values set aside by a converter
+    until the entry is written.
     """
 
     name: str
@@ -146,6 +148,7 @@ class Encoding:
     section: str = "any"  # 'param' | 'activation' | 'any' (2.x has no sections)
     pending: str | None = None
     flat: dict[str, Any] = field(default_factory=dict)  # legacy flat arrays awaiting a layout
+    outlined: bool = False
 
     def __post_init__(self) -> None:
         if self.scale is not None:  # validated as float32, and written as float32
@@ -715,6 +718,7 @@ class ParsedEncodings:
 
 def parse_encodings(
     data: dict | StreamedEncodings, *, allow_subnormal_scales: bool = False, known: Container[str] | None = None,
+    prepare: Callable[[Encoding], Encoding] | None = None,
 ) -> ParsedEncodings:
     """Validate a whole encodings file and normalise every entry (no graph needed).
 
@@ -724,6 +728,9 @@ def parse_encodings(
     ``known``: the tensor names the model has. An entry naming any other is refused, listing
     every such name, and once one is found no further entry's values are parsed: refusing a
     file of 100,000 strangers costs a name look-up each, not a parse each.
+
+    ``prepare``: applied to each entry as it is parsed, before the next is read; what it returns
+    is kept (a converter resolves entries against its graph there, and sets large values aside).
     """
     version = data.get("version")
     if version not in VERSIONS:
@@ -746,7 +753,7 @@ def parse_encodings(
         if isinstance(result, str):
             omitted.append(name)
         else:
-            entries.append(result)
+            entries.append(result if prepare is None else prepare(result))
 
     if version == "0.6.1":
         names: dict[str, str] = {}
