@@ -231,6 +231,10 @@ class Pipeline:
             )
         if self.axes and all(self.axes.get(value.name, {}).get(0) == "batch" for value in header.graph.input):
             _checks.check_dynamic_batch(header)
+        # A file under 2 GB holds its weights: not to be kept while the rules and the sessions
+        # below read the file again (at 1.1B parameters, 0.7 GB on top of ONNX Runtime's own).
+        del header
+        _checks.release_freed_memory()
         for rule in rules:
             rule(path)
         self.sessions += 1

@@ -320,12 +320,12 @@ def export_decoder(
                 # loaded here, so nobody else holds it: its float linear weights would otherwise
                 # stay in memory through the whole export (the weights file is mapped, and the
                 # tensors the quantized copy shares keep the whole mapping alive)
-                from ..qdq.weight_only import _return_freed_memory
+                from .._checks import release_freed_memory
 
                 _own_tensors(reference_model)
                 export_model = _export_copy(reference_model, weights)
                 model = None
-                _return_freed_memory()
+                release_freed_memory()
         bar.update()
         sample = _sample(shape, batch=2, length=3, past=4, seed=0)
         with eval_mode(reference_model):

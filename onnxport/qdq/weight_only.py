@@ -28,6 +28,7 @@ import onnx_ir as ir
 import torch
 
 from .._axes import describe, second_size
+from .._checks import release_freed_memory
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
 from ..rounding import cosine
 
@@ -364,22 +365,6 @@ def _slim_around_weights(model: ir.Model, weights: list[QuantizedWeight]) -> ir.
     return slimmed
 
 
-def _return_freed_memory() -> None:
-    """Hand the heap the serialised graph used back to the OS before ONNX Runtime loads the file.
-
-    glibc keeps freed blocks for reuse; at LLM scale those are gigabytes that the sessions would
-    otherwise stack on top of. A no-op where there is no glibc.
-    """
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def fusable(w: QuantizedWeight) -> bool:
     """Whether ONNX Runtime's CPU provider fuses this weight's DequantizeLinear into MatMulNBits.
 
@@ -481,7 +466,7 @@ def export_weight_only(
     bar.update()
     pipeline.write(onnx_model, staged)
     del onnx_model
-    _return_freed_memory()
+    release_freed_memory()
 
     def integers(path: Path) -> None:
         check_weights_faithful(path, weights)
@@ -492,7 +477,7 @@ def export_weight_only(
         for feed, expected, size in zip(pipeline.sizes(), references, sizes):
             check_agreement(session.run(None, dict(feed)), expected, out_names, f"At ONNX Runtime's unoptimised level{size}")
         del session
-        _return_freed_memory()
+        release_freed_memory()
         bar.update()
 
     def as_deployed(outputs: list[list[np.ndarray]], optimised: Path) -> None:
