@@ -269,7 +269,76 @@ def save_ir(model: ir.Model, path: str | os.PathLike, *, external_data: bool | N
         found = list(tensors(model))
         external_data = (any(isinstance(t, ir.ExternalTensor) for t in found)
                          or sum(t.nbytes for t in found) > _io.EXTERNAL_DATA_BYTES)  # _io's limit, read now
+    if not external_data and sum(_inline_bytes(model)) >= STREAM_INLINE_BYTES:
+        _save_inline_streamed(model, path)
+        return path
     # ir.save moves the tensors above its threshold, onnx those at it too: the same files either way
     ir.save(model, path, external_data=path.name + ".data" if external_data else None,
             size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
     return path
+
+
+#: A single-file model whose main graph's weights reach this is written a weight at a time.
+STREAM_INLINE_BYTES = 64 * 2**20
+
+
+def _inline_bytes(model: ir.Model) -> Iterator[int]:
+    for value in model.graph.initializers.values():
+        if value.const_value is not None:
+            yield value.const_value.nbytes
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class _NoSkipWarnings:
+    """Silences serde's note that an initializer has no value while the weights are set apart."""
+
+    def filter(self, record: object) -> bool:
+        return "does not have a constant value set" not in str(getattr(record, "msg", ""))
+
+
+def _save_inline_streamed(model: ir.Model, path: Path) -> None:
+    """Write ``model`` as one protobuf file, its main graph's weights one at a time.
+
+    ``ir.save`` builds the whole ``ModelProto`` and then its serialised bytes: with the model
+    itself, three copies of the weights (2 GB at 1.1B int4 parameters). Here the model is written
+    without its weights' values, then each weight as a further ``graph`` field holding that one
+    initializer: protobuf merges a message field met twice (its repeated fields appended), so
+    every reader parses the same model, and only one weight is ever serialised at a time.
+    """
+    import logging
+
+    from onnx_ir import serde
+
+    values = [v for v in model.graph.initializers.values() if v.const_value is not None]
+    held = [v.const_value for v in values]
+    quiet = _NoSkipWarnings()
+    logger = logging.getLogger(serde.__name__)
+    logger.addFilter(quiet)
+    try:
+        for value in values:
+            value.const_value = None
+        header = serde.serialize_model(model).SerializeToString()
+    finally:
+        logger.removeFilter(quiet)
+        for value, tensor in zip(values, held):
+            value.const_value = tensor
+    graph_key, initializer_key = _varint(7 << 3 | 2), _varint(5 << 3 | 2)  # ModelProto.graph, GraphProto.initializer
+    with open(path, "wb") as handle:
+        handle.write(header)
+        for value in values:
+            tensor = serde.serialize_tensor(value.const_value)
+            tensor.name = value.name
+            data = tensor.SerializeToString()
+            del tensor
+            entry = initializer_key + _varint(len(data))
+            handle.write(graph_key + _varint(len(entry) + len(data)) + entry)
+            handle.write(data)
+            del data

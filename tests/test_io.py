@@ -129,3 +129,33 @@ def test_a_failed_data_replace_leaves_no_new_data_beside_the_previous_model(tmp_
         write_model(_tiny_model(), staged, external_data=True)
     monkeypatch.undo()
     assert listing(tmp_path) == before
+
+
+def test_a_large_single_file_model_is_written_a_weight_at_a_time_and_reads_back_the_same(tmp_path, monkeypatch):
+    """Over STREAM_INLINE_BYTES, save_ir writes the model without its weights, then each weight as
+    a further graph field: every reader merges them into the model ir.save would have written."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    import onnxport._ir as ir_module
+
+    rng = np.random.default_rng(3)
+    w1, w2 = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("MatMul", ["h", "w2"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    monkeypatch.setattr(ir_module, "STREAM_INLINE_BYTES", 2**62)
+    whole = ir_module.save_ir(model, tmp_path / "whole.onnx")
+    monkeypatch.setattr(ir_module, "STREAM_INLINE_BYTES", 1)
+    streamed = ir_module.save_ir(model, tmp_path / "streamed.onnx")
+    assert whole.read_bytes() != streamed.read_bytes()  # written another way: the test compares two writers
+    assert sorted(listing(tmp_path)) == ["streamed.onnx", "whole.onnx"]  # one file each, no data beside
+    assert onnx.load(str(streamed)) == onnx.load(str(whole))
+    onnx.checker.check_model(str(streamed), full_check=True)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    runs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0] for p in (whole, streamed)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert [v.const_value.numpy().tobytes() for v in model.graph.initializers.values()] == [w1.tobytes(), w2.tobytes()]
