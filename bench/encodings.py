@@ -11,7 +11,9 @@
    2.0.0 int4 blockwise, LPBQ and per-channel int8 encodings, with and without prequantization;
    each output passes ``onnx.checker`` on its path and a sampled read-back of weights against
    integers computed here with NumPy. Skipped, with a message, when the disk has less than 2.5x
-   the model's size free (``--no-7b`` skips it too).
+   the model's size free (``--no-7b`` skips it too). With ``ONNXPORT_BENCH_BEFORE`` set to another
+   checkout of onnxport, each 7B case is also converted by that checkout, right before this one's,
+   so a change is measured before and after in one run (``before`` in each case).
 
     python -m bench.encodings [--small-only] [--no-7b]
 """
@@ -177,10 +179,13 @@ def _aimet_python() -> str | None:
     return chosen if found else None
 
 
-def _measure(tool: str, model: Path, encodings: Path, out: Path, prequantize: bool, python: str = sys.executable) -> dict:
+def _measure(tool: str, model: Path, encodings: Path, out: Path, prequantize: bool, python: str = sys.executable,
+             tree: Path = ROOT) -> dict:
+    """One conversion and save in a fresh process, with the onnxport of checkout ``tree``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([python, "-m", "bench.encodings", "--child", tool, str(model), str(encodings), str(out),
-                           str(prequantize)], capture_output=True, text=True, cwd=ROOT, check=False)
+                           str(prequantize)], capture_output=True, text=True, cwd=tree, check=False,
+                          env={**os.environ, "PYTHONPATH": str(tree)})
     if proc.returncode:
         raise RuntimeError(f"{tool} failed on {encodings.name}: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -262,11 +267,20 @@ def _llama_case(scratch: Path) -> dict:
     start = time.perf_counter()
     model, encodings, weight_bytes = generate_llama(scratch / "llama", ("int4", "lpbq", "int8"), **c)
     results = {"weight_bytes": weight_bytes, "generate_s": time.perf_counter() - start, "cases": {}}
+    before = os.environ.get("ONNXPORT_BENCH_BEFORE")
+    if before:
+        results["before_tree"] = before
     try:
         for kind in ("int4", "lpbq", "int8"):
             for prequantize in (False, True):
                 out = scratch / "llama" / "out" / "out.onnx"
+                old = None
+                if before:
+                    old = _measure("onnxport", model, encodings[kind], out, prequantize, tree=Path(before))
+                    shutil.rmtree(out.parent)
                 figures = _measure("onnxport", model, encodings[kind], out, prequantize)
+                if old is not None:
+                    figures["before"] = old
                 figures["file_bytes"] = sum(p.stat().st_size for p in out.parent.iterdir())
                 figures["check"] = _sampled_check(model, out, encodings[kind], prequantize)
                 results["cases"][f"{kind}{' prequantized' if prequantize else ''}"] = figures
@@ -317,6 +331,12 @@ def report(results: dict) -> str:
             for name, r in big["cases"].items():
                 lines.append(f"    {name:<18} {r['convert_s']:>9.1f} {r['convert_peak_rss'] / 1e9:>10.2f}G {r['save_s']:>7.1f} "
                              f"{r['peak_rss'] / 1e9:>8.2f}G {r['peak_rss'] / big['weight_bytes']:>10.1%} {r['file_bytes'] / 1e9:>7.1f}G")
+                if r.get("before"):
+                    b = r["before"]
+                    lines.append(f"    {'  before':<18} {b['convert_s']:>9.1f} {b['convert_peak_rss'] / 1e9:>10.2f}G {b['save_s']:>7.1f} "
+                                 f"{b['peak_rss'] / 1e9:>8.2f}G {b['peak_rss'] / big['weight_bytes']:>10.1%}")
+            if big.get("before_tree"):
+                lines.append(f"    (before: the checkout at {big['before_tree']}, measured just before each case)")
     return "\n".join(lines)
 
 

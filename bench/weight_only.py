@@ -17,7 +17,9 @@ Agreement is with the torchao model (the PyTorch model a user validated).
 
 A separate process exports a 1.1B-parameter Llama (TinyLlama's shape, embeddings quantized too)
 and reports its peak memory against the float weights' bytes, and the file size against FP32
-(``ONNXPORT_BENCH_SKIP_LARGE=1`` skips it).
+(``ONNXPORT_BENCH_SKIP_LARGE=1`` skips it). With ``ONNXPORT_BENCH_BEFORE`` set to another
+checkout of onnxport, that checkout exports the same model first, in its own process, so a change
+is measured before and after in one run (``before``).
 """
 
 from __future__ import annotations
@@ -174,8 +176,11 @@ print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()), "flo
 """
 
 
-def _large(scratch: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _LARGE, str(scratch)], capture_output=True, text=True, check=False)
+def _large(scratch: Path, tree: Path | None = None) -> dict:
+    """The 1.1B export in a fresh process, with this checkout's onnxport or ``tree``'s."""
+    env = os.environ if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, "-c", _LARGE, str(scratch)], capture_output=True, text=True, check=False,
+                          env=env, cwd=tree)
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -192,8 +197,14 @@ def run() -> dict:
             folder.mkdir()
             results[name] = _one(name, config, folder)
     if os.environ.get("ONNXPORT_BENCH_SKIP_LARGE") != "1":
+        before = None
+        if os.environ.get("ONNXPORT_BENCH_BEFORE"):
+            with tempfile.TemporaryDirectory() as scratch:
+                before = _large(Path(scratch), Path(os.environ["ONNXPORT_BENCH_BEFORE"]))
         with tempfile.TemporaryDirectory() as scratch:
             results["llama 1.1B (TinyLlama shape)"] = _large(Path(scratch))
+        if before is not None:
+            results["llama 1.1B (TinyLlama shape)"]["before"] = before
     return results
 
 
@@ -225,6 +236,10 @@ def report(results: dict) -> str:
             f"export+checks {large['export_s']:.0f} s; file {large['file_bytes'] / 1e9:.3f} GB = "
             f"{large['file_vs_fp32']:.3f}x FP32; {large['matmul_nbits']} MatMulNBits."
         )
+        before = large.get("before") or {}
+        if "peak" in before:
+            lines.append(f"  before (the other checkout, just before): peak {before['peak'] / 1e9:.2f} GB = "
+                         f"{before['peak_vs_float_weights']:.2f}x; export+checks {before['export_s']:.0f} s")
     elif large:
         lines.append(f"Llama 1.1B: {large['error']}")
     return "\n".join(lines)
