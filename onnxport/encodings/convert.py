@@ -427,8 +427,6 @@ class _SetAside:
     read back one entry at a time when it is written (with the weights moved from it, by the same
     moves as its outline). The file's pages are the kernel's cache, not this process's memory."""
 
-    _FIELDS = ("scale", "zero_point", "x", "x_scale", "x_zero_point")
-
     def __init__(self) -> None:
         self.file = tempfile.TemporaryFile(prefix="onnxport-encodings-")
         self.where: dict[str, dict[str, tuple[int, np.dtype, tuple[int, ...]]]] = {}
@@ -531,8 +529,8 @@ class InsertEncodingsPass(ir.passes.InPlacePass):
     a 7B model's scale grids are GBs of arrays), each where its tensor is defined, and sort the
     graphs. A tensor already carrying its encoding (a DequantizeLinear marked as encoding it) is
     left alone, so a second run changes nothing. ``scratch`` holds new large constants on disk.
-    ``values`` gives an outlined entry's values back (parsed again) when its turn comes: only one
-    large entry's values are held at a time."""
+    ``values`` gives an outlined entry's values back (from where the converter set them aside)
+    when its turn comes: only one large entry's values are held at a time."""
 
     def __init__(self, entries: collections.deque, *, prequantize: bool, scratch: ScratchTensors | None,
                  index: Callable[[ir.Model], tuple] | None = None,
