@@ -73,6 +73,10 @@ class AnnotationContext:
     #: float producers costs a QuantizeLinear per operand and a DequantizeLinear after it: more
     #: than the float op, which reads and writes as many bytes, and a rounding more.
     elementwise_on_quantized: bool = False
+    #: The consumer adds a residual Add's other operand inside the conv or linear layer that
+    #: computes one operand (oneDNN's sum post-op, OpenVINO's CPU plugin) and does not round that
+    #: layer's output to its pair first: leave it float, so the model computes what runs.
+    fused_sum: bool = False
 
 
 #: ``.padding`` is the overload a string padding (``'same'``, ``'valid'``) captures as.
@@ -486,6 +490,8 @@ def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
     if ctx.float_linear_outputs:
         _leave_unread_concats_float(model)
         _leave_linear_outputs_float(model)
+    if ctx.fused_sum:
+        _leave_summed_outputs_float(model)
     return model
 
 
@@ -559,6 +565,33 @@ def _leave_linear_outputs_float(model: GraphModule) -> None:
         if not _read_quantized(node):
             _clear_sharing_readers(node)
             annotation.output_qspec = None
+
+
+_SUM_PRODUCERS = (*CONV_OPS, aten.linear.default, aten.addmm.default)
+
+
+def _leave_summed_outputs_float(model: GraphModule) -> None:
+    """Drop the output pair of a conv or linear layer whose only reader is a quantized Add.
+
+    OpenVINO's CPU plugin fuses such an Add into the layer (a sum post-op) and applies the layer's
+    FakeQuantize there without its rounding: on a trained CNN with AVX-512 it differed from the
+    file's own semantics by up to 3 steps at 24% of a residual block's outputs and flipped a top-1
+    (4th-generation Xeon, OpenVINO 2026.4). With the pair gone, the model adds the float output as
+    the plugin does. Where both operands are such layers, only the later one loses its pair: the
+    plugin adds the earlier, already computed (and quantized) one into it.
+    """
+    order = {node: i for i, node in enumerate(model.graph.nodes)}
+    for node in model.graph.nodes:
+        annotation = annotation_of(node)
+        if node.target not in ADD_OPS or annotation is None:
+            continue
+        operands = [a for a in node.args[:2] if isinstance(a, Node) and a in annotation.input_qspec_map]
+        summed = [a for a in operands if a.target in _SUM_PRODUCERS and len(a.users) == 1 and has_pair(a)]
+        if len(operands) != 2 or not summed:
+            continue
+        fused = max(summed, key=order.__getitem__)
+        annotation_of(fused).output_qspec = None
+        del annotation.input_qspec_map[fused]
 
 
 def supported_operators() -> list[str]:

@@ -362,6 +362,7 @@ class Quantizer:
             int8_sigmoid=annotation.int8_sigmoid,
             int8_attention=annotation.int8_attention,
             float_activation_products=annotation.float_activation_products,
+            fused_sum=annotation.fused_sum,
             float_linear_outputs=annotation.float_linear_outputs,
             elementwise_on_quantized=annotation.elementwise_on_quantized,
             int32_bias=annotation.int32_bias,

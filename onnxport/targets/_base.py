@@ -38,6 +38,9 @@ class Annotation:
             unquantized: the consumer has a Gemm/MatMul with quantized inputs and a float output.
         elementwise_on_quantized: quantize an Add/Mul only when both operands already are: the
             consumer runs it in INT8 only between pairs.
+        fused_sum: leave a conv or linear layer's output float when its only reader is a quantized
+            residual Add: the consumer adds the other operand inside that layer (oneDNN's sum
+            post-op) without rounding the layer's output to a pair first.
         int32_bias: store Conv/Linear biases as int32 (scale = input scale x weight scale), which
             the consumer reads as its integer kernels' bias; otherwise biases stay float.
         portable_weights: keep int8 weights on [-64, 64] unless told otherwise: the consumer runs
@@ -51,6 +54,7 @@ class Annotation:
     float_activation_products: bool = False
     float_linear_outputs: bool = False
     elementwise_on_quantized: bool = False
+    fused_sum: bool = False
     int32_bias: bool = False
     portable_weights: bool = False
 
