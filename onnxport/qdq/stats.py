@@ -293,7 +293,7 @@ def _cpu_section(model: ir.Model, nodes: list) -> dict[str, Any]:
 
 # -- the graph ONNX Runtime actually runs ----------------------------------------------------
 _ORT_INT8 = {"QLinearConv": "Conv", "QGemm": "Gemm", "QLinearMatMul": "MatMul", "MatMulIntegerToFloat": "MatMul",
-             "QLinearAdd": "Add", "ConvInteger": "Conv", "MatMulInteger": "MatMul"}
+             "QLinearAdd": "Add", "ConvInteger": "Conv", "MatMulInteger": "MatMul", "DynamicQuantizeMatMul": "MatMul"}
 _ORT_FLOAT = {"Conv": "Conv", "FusedConv": "Conv", "NchwcConv": "Conv", "Gemm": "Gemm", "FusedGemm": "Gemm",
               "MatMul": "MatMul", "FusedMatMul": "MatMul", "Add": "Add"}
 
