@@ -116,7 +116,7 @@ def _fused(path: Path) -> dict:
     counts = report.extra["ort_int8"]
     fused = {op: f"{c['int8']}/{c['int8'] + c['float']}" for op, c in counts.items()}
     float_ops = sorted({f"{op.op_type}: {op.why_float}" for op in report.compute_ops if not op.quantized})
-    return {"ort_int8": fused, "float_in_file": float_ops[:6]}
+    return {"ort_int8": fused, "float_in_file": float_ops[:6], "costlier_than_float": report.extra["ort_costlier_than_float"]}
 
 
 def _one(entry, out: Path) -> dict:

@@ -47,14 +47,19 @@ class OrtQuantizePass(ir.passes.FunctionalPass):
         quantized = self.scratch / "quantized.onnx"
         save_ir(model, source)
         try:
-            _quantize(source, quantized, self.options, large=bool(external_data_files(source)))
+            quantize_file(source, quantized, self.options, large=bool(external_data_files(source)))
         except Exception as error:  # ORT's quantizer raises anything from KeyError to RuntimeError
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise DependencyError(f"ONNX Runtime's quantizer failed on this graph: {first}") from error
         return ir.passes.PassResult(ir.load(quantized), modified=True)
 
 
-def _quantize(source: Path, out: Path, o: OrtQuantizeOptions, *, large: bool) -> None:
+def quantize_file(source: Path, out: Path, o: OrtQuantizeOptions, *, large: bool) -> None:
+    """Run ORT's ``quant_pre_process`` and quantizer on the file ``source``, writing ``out``.
+
+    The pre-processed copy is written beside ``source`` (``preprocessed.onnx``). ``large`` writes
+    the weights as external data, for graphs over 2 GB.
+    """
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
