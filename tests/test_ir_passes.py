@@ -538,6 +538,47 @@ def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
                                    rtol=1e-6, atol=1e-6)
 
 
+def test_a_tanh_gelu_after_a_quantized_linears_bias_becomes_orts_fast_gelu_with_that_bias():
+    from onnxport.passes.contrib_gelu import BiasFastGeluPass
+    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
+
+    def tanh_gelu(x, q):  # transformers' gelu_new as the exporter writes it
+        return [helper.make_node("Mul", [x, "half"], [f"{q}_h"]), helper.make_node("Pow", [x, "three"], [f"{q}_p"]),
+                helper.make_node("Mul", [f"{q}_p", "c"], [f"{q}_c"]), helper.make_node("Add", [x, f"{q}_c"], [f"{q}_i"]),
+                helper.make_node("Mul", [f"{q}_i", "k"], [f"{q}_s"]), helper.make_node("Tanh", [f"{q}_s"], [f"{q}_t"]),
+                helper.make_node("Add", [f"{q}_t", "one"], [f"{q}_o"]), helper.make_node("Mul", [f"{q}_h", f"{q}_o"], [f"{q}_g"])]
+
+    def body(p):  # a float-output quantized linear, its bias, the tanh GELU; one of x + x stays
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
+                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
+                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
+                helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]), *tanh_gelu(f"{p}_y", f"{p}_b"),
+                helper.make_node("Add", ["x", "x"], [f"{p}_x2"]), *tanh_gelu(f"{p}_x2", f"{p}_f"),
+                helper.make_node("Concat", [f"{p}_b_g", f"{p}_f_g"], ["same"], axis=-1)]
+
+    inits = [_c("half", np.float32(0.5)), _c("three", np.float32(3)), _c("c", np.float32(0.044715)),
+             _c("k", np.float32(np.sqrt(2 / np.pi))), _c("one", np.float32(1)),
+             _c("s", np.float32(0.05)), _c("zp", np.uint8(128)), _c("ws", np.float32(0.02)),
+             _c("wq", RNG.integers(-64, 65, (16, 16)).astype(np.int8)), _c("bias", RNG.standard_normal(16).astype(np.float32))]
+    model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 32]))
+    ranked = _apply(LinearBiasRankPass(), model)[0]
+    assert _ort_optimised_ops(ranked).count("Add") >= 2  # ORT fuses FastGelu but leaves each rank-3 bias an Add
+    fused, first, second = _apply(BiasFastGeluPass(), ranked)
+    assert (first, second) == (True, False)
+    onnx.checker.check_model(fused, full_check=True)
+    ops = [n.op_type for n in _body_nodes(fused)]
+    assert ops.count("FastGelu") == 2 and ops.count("Tanh") == 2 and ops.count("Pow") == 2, ops  # x + x's GELU stays
+    assert all(n.domain == "com.microsoft" and len(n.input) == 2 for n in _body_nodes(fused) if n.op_type == "FastGelu")
+    optimised = _ort_optimised_ops(fused)
+    assert optimised.count("MatMulIntegerToFloat") == 2 and optimised.count("FastGelu") == 4, optimised
+    assert optimised.count("Add") == _ort_optimised_ops(ranked).count("Add") - 2, optimised  # both biases gone
+    for flag in (True, False):  # the same tanh GELU of the same sum, possibly last bits apart
+        feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
+        np.testing.assert_allclose(run(fused, feeds, optimized=False)[0], run(ranked, feeds, optimized=False)[0],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
     """The op types of ONNX Runtime's optimised graph, bodies included."""
     import tempfile

@@ -139,3 +139,67 @@ class BiasGeluPass(ir.passes.InPlacePass):
         if modified and CONTRIB_DOMAIN not in model.opset_imports:
             model.opset_imports[CONTRIB_DOMAIN] = 1
         return ir.passes.PassResult(model, modified)
+
+
+def _tanh_gelu(pow_: ir.Node) -> list[ir.Node] | None:
+    """The eight nodes of ``(x · 0.5) · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`` that start at
+    ``pow_`` (transformers' ``gelu_new``, as the exporter writes it), or None."""
+    if pow_.op_type != "Pow" or not is_default(pow_) or not is_scalar(pow_.inputs[1], 3.0):
+        return None
+    x = pow_.inputs[0]
+    cube = only_reader(pow_.outputs[0], "Mul")
+    inner = cube and only_reader(cube.outputs[0], "Add")
+    if inner is None or not is_scalar(other_input(cube, pow_.outputs[0]), 0.044715, 1e-6) \
+            or other_input(inner, cube.outputs[0]) is not x:
+        return None
+    scaled = only_reader(inner.outputs[0], "Mul")
+    tanh = scaled and only_reader(scaled.outputs[0], "Tanh")
+    if tanh is None or not is_scalar(other_input(scaled, inner.outputs[0]), float(np.sqrt(2 / np.pi)), 1e-6):
+        return None
+    one = only_reader(tanh.outputs[0], "Add")
+    last = one and only_reader(one.outputs[0], "Mul")
+    if last is None or not is_scalar(other_input(one, tanh.outputs[0]), 1.0):
+        return None
+    half = other_input(last, one.outputs[0])
+    halving = half.producer() if half is not None else None
+    if halving is None or halving.op_type != "Mul" or not is_default(halving) or len(half.uses()) != 1 \
+            or other_input(halving, x) is None or not is_scalar(other_input(halving, x), 0.5):
+        return None
+    return [pow_, cube, inner, scaled, tanh, one, halving, last]
+
+
+class BiasFastGeluPass(ir.passes.InPlacePass):
+    """Replace ``y + bias`` followed by the tanh GELU with one ``com.microsoft.FastGelu(y, bias)``.
+
+    The tanh form's counterpart of :class:`BiasGeluPass` (ALBERT's and GPT-2's ``gelu_new``):
+    ORT fuses the eight ops into ``FastGelu`` itself, but takes the bias into it only when the
+    bias is 1-D, which the rank-3 bias of a float-output INT8 linear is not. Its kernel is the
+    one ORT's own fusion runs; against the eight ops it may round last bits differently, so the
+    step's proof is the checker.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        taken: set[str] | None = None
+        for pow_ in list(nodes(model)):
+            graph = pow_.graph
+            found = _tanh_gelu(pow_) if isinstance(graph, ir.Graph) else None
+            biased = found and _bias_of(pow_.inputs[0], found)
+            if not biased:
+                continue
+            add, y, bias = biased
+            taken = taken if taken is not None else taken_names(model)
+            name = unique_name("fast_gelu.bias", taken)
+            bias_value = ir.Value(name=name, shape=ir.Shape(bias.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                                  const_value=ir.tensor(bias, name=name))
+            graph.register_initializer(bias_value)
+            last = found[-1]
+            constants = [v for n in (add, *found) for v in n.inputs if v is not None and v is not y
+                         and v is not pow_.inputs[0] and v.producer() not in found]
+            node = ir.node("FastGelu", inputs=[y, bias_value], domain=CONTRIB_DOMAIN, name=last.name)
+            ir.convenience.replace_nodes_and_values(graph, add, [add, *found], [node], [last.outputs[0]], [node.outputs[0]])
+            drop_unread_constants(constants)
+            modified = True
+        if modified and CONTRIB_DOMAIN not in model.opset_imports:
+            model.opset_imports[CONTRIB_DOMAIN] = 1
+        return ir.passes.PassResult(model, modified)

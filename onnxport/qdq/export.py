@@ -12,7 +12,7 @@ from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 from .._axes import BATCH, captured_axes, resolve_axes
 from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
-from ..passes.contrib_gelu import BiasGeluPass, DequantizedGeluPass
+from ..passes.contrib_gelu import BiasFastGeluPass, BiasGeluPass, DequantizedGeluPass
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
@@ -228,6 +228,7 @@ def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = Fa
     if contrib_gelu:
         # the fused kernels may round a last bit unlike the five ops: the checker is their proof
         steps.append(Step("write biased GELUs as ORT's BiasGelu", BiasGeluPass(), LastBit))
+        steps.append(Step("write biased tanh GELUs as ORT's FastGelu", BiasFastGeluPass(), LastBit))
         steps.append(Step("write dequantized GELUs as ORT's Gelu", DequantizedGeluPass(), LastBit))
     return steps
 

@@ -111,8 +111,8 @@ class ExportDefaults:
         opset: the opset of 8-bit files.
         opset_16bit: the opset of files with 16-bit activations (uint16 Q/DQ exist from 21).
         contrib_gelu: write a GELU whose input is a DequantizeLinear as ``com.microsoft.Gelu``,
-            and one after a bias Add as ``com.microsoft.BiasGelu``: ONNX Runtime cannot fuse the
-            standard forms there.
+            and one after a bias Add as ``com.microsoft.BiasGelu`` (``FastGelu`` with that bias for
+            the tanh form): ONNX Runtime cannot fuse the standard forms there.
         bias_at_input_rank: give the bias of a quantized linear whose output stays float the
             rank of its input, so that ONNX Runtime's MatMul+Add→Gemm fusion (static shapes)
             leaves the linear to its INT8 kernel (:mod:`onnxport.passes.linear_bias_rank`).
