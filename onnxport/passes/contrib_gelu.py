@@ -10,6 +10,9 @@ exists only from opset 20, so for files meant for ORT this pass writes the ``com
 ``Gelu`` that ORT's own fusion would have produced (OpenVINO reads it too). Its kernel computes
 the same erf GELU in one pass; it may round a last bit differently from the five ops, so the
 step's proof is the checker.
+
+:class:`BiasGeluPass` and :class:`BiasFastGeluPass` do the same for a GELU (erf or tanh form) after
+a float-output linear's bias, which ORT cannot take into its fused GELU either.
 """
 
 from __future__ import annotations
@@ -97,7 +100,46 @@ def _bias_of(x: ir.Value, gelu: list[ir.Node]) -> tuple[ir.Node, ir.Value, np.nd
     return None
 
 
-class BiasGeluPass(ir.passes.InPlacePass):
+class _BiasIntoGelu(ir.passes.InPlacePass):
+    """Replace ``y + bias`` and the GELU after it with one ``com.microsoft`` op ``OP(y, bias)``."""
+
+    #: the contrib op written, the name of its 1-D bias, and the matcher of the GELU's nodes
+    #: (given the node that starts it; the GELU's input is that node's first input)
+    OP: str
+    BIAS_NAME: str
+
+    @staticmethod
+    def match(start: ir.Node) -> list[ir.Node] | None:
+        raise NotImplementedError
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        taken: set[str] | None = None
+        for start in list(nodes(model)):
+            graph = start.graph
+            found = self.match(start) if isinstance(graph, ir.Graph) else None  # a function holds no initializer
+            biased = found and _bias_of(start.inputs[0], found)
+            if not biased:
+                continue
+            add, y, bias = biased
+            taken = taken if taken is not None else taken_names(model)
+            name = unique_name(self.BIAS_NAME, taken)
+            bias_value = ir.Value(name=name, shape=ir.Shape(bias.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                                  const_value=ir.tensor(bias, name=name))
+            graph.register_initializer(bias_value)
+            last = found[-1]
+            constants = [v for n in (add, *found) for v in n.inputs if v is not None and v is not y
+                         and v is not start.inputs[0] and v.producer() not in found]
+            node = ir.node(self.OP, inputs=[y, bias_value], domain=CONTRIB_DOMAIN, name=last.name)
+            ir.convenience.replace_nodes_and_values(graph, add, [add, *found], [node], [last.outputs[0]], [node.outputs[0]])
+            drop_unread_constants(constants)
+            modified = True
+        if modified and CONTRIB_DOMAIN not in model.opset_imports:
+            model.opset_imports[CONTRIB_DOMAIN] = 1
+        return ir.passes.PassResult(model, modified)
+
+
+class BiasGeluPass(_BiasIntoGelu):
     """Replace ``y + bias`` followed by an ordered five-op GELU with one ``com.microsoft.BiasGelu``.
 
     A quantized linear whose output stays float runs in ONNX Runtime as ``MatMulIntegerToFloat``
@@ -110,35 +152,8 @@ class BiasGeluPass(ir.passes.InPlacePass):
     may round a last bit differently, so the step's proof is the checker.
     """
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        taken: set[str] | None = None
-        for div in list(nodes(model)):
-            if div.graph is None:
-                continue
-            found = _ordered_gelu(div)
-            biased = found and _bias_of(div.inputs[0], found)
-            if not biased:
-                continue
-            add, y, bias = biased
-            graph = div.graph
-            if not isinstance(graph, ir.Graph):
-                continue  # a function body holds no initializer for the 1-D bias
-            taken = taken if taken is not None else taken_names(model)
-            name = unique_name("bias_gelu.bias", taken)
-            bias_value = ir.Value(name=name, shape=ir.Shape(bias.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                                  const_value=ir.tensor(bias, name=name))
-            graph.register_initializer(bias_value)
-            last = found[-1]
-            constants = [v for n in (add, *found) for v in n.inputs if v is not None and v is not y
-                         and v is not div.inputs[0] and v.producer() not in found]
-            node = ir.node("BiasGelu", inputs=[y, bias_value], domain=CONTRIB_DOMAIN, name=last.name)
-            ir.convenience.replace_nodes_and_values(graph, add, [add, *found], [node], [last.outputs[0]], [node.outputs[0]])
-            drop_unread_constants(constants)
-            modified = True
-        if modified and CONTRIB_DOMAIN not in model.opset_imports:
-            model.opset_imports[CONTRIB_DOMAIN] = 1
-        return ir.passes.PassResult(model, modified)
+    OP, BIAS_NAME = "BiasGelu", "bias_gelu.bias"
+    match = staticmethod(_ordered_gelu)
 
 
 def _tanh_gelu(pow_: ir.Node) -> list[ir.Node] | None:
@@ -168,7 +183,7 @@ def _tanh_gelu(pow_: ir.Node) -> list[ir.Node] | None:
     return [pow_, cube, inner, scaled, tanh, one, halving, last]
 
 
-class BiasFastGeluPass(ir.passes.InPlacePass):
+class BiasFastGeluPass(_BiasIntoGelu):
     """Replace ``y + bias`` followed by the tanh GELU with one ``com.microsoft.FastGelu(y, bias)``.
 
     The tanh form's counterpart of :class:`BiasGeluPass` (ALBERT's and GPT-2's ``gelu_new``):
@@ -178,28 +193,5 @@ class BiasFastGeluPass(ir.passes.InPlacePass):
     step's proof is the checker.
     """
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        taken: set[str] | None = None
-        for pow_ in list(nodes(model)):
-            graph = pow_.graph
-            found = _tanh_gelu(pow_) if isinstance(graph, ir.Graph) else None
-            biased = found and _bias_of(pow_.inputs[0], found)
-            if not biased:
-                continue
-            add, y, bias = biased
-            taken = taken if taken is not None else taken_names(model)
-            name = unique_name("fast_gelu.bias", taken)
-            bias_value = ir.Value(name=name, shape=ir.Shape(bias.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                                  const_value=ir.tensor(bias, name=name))
-            graph.register_initializer(bias_value)
-            last = found[-1]
-            constants = [v for n in (add, *found) for v in n.inputs if v is not None and v is not y
-                         and v is not pow_.inputs[0] and v.producer() not in found]
-            node = ir.node("FastGelu", inputs=[y, bias_value], domain=CONTRIB_DOMAIN, name=last.name)
-            ir.convenience.replace_nodes_and_values(graph, add, [add, *found], [node], [last.outputs[0]], [node.outputs[0]])
-            drop_unread_constants(constants)
-            modified = True
-        if modified and CONTRIB_DOMAIN not in model.opset_imports:
-            model.opset_imports[CONTRIB_DOMAIN] = 1
-        return ir.passes.PassResult(model, modified)
+    OP, BIAS_NAME = "FastGelu", "fast_gelu.bias"
+    match = staticmethod(_tanh_gelu)
