@@ -462,18 +462,20 @@ def test_the_exporters_gelu_is_reordered_for_ort_fusion_in_bodies_too():
     assert _apply(GeluOrderPass(), other)[1] is False
 
 
+def _erf_gelu(x: str, q: str) -> list[onnx.NodeProto]:
+    """The exporter's ordered erf GELU of ``x``, ``(x * (1 + erf(x / √2))) * 0.5``, its values named after ``q``."""
+    return [helper.make_node("Div", [x, "sqrt2"], [f"{q}_d"]), helper.make_node("Erf", [f"{q}_d"], [f"{q}_e"]),
+            helper.make_node("Add", [f"{q}_e", "one"], [f"{q}_a"]), helper.make_node("Mul", [x, f"{q}_a"], [f"{q}_m"]),
+            helper.make_node("Mul", [f"{q}_m", "half"], [f"{q}_g"])]
+
+
 def test_a_gelu_that_reads_a_dequantize_becomes_orts_gelu_in_bodies_too():
     from onnxport.passes.contrib_gelu import DequantizedGeluPass
 
     def body(p):  # a pair, then the ordered GELU of its output; a second GELU of the float x stays
-        def gelu(x, q):
-            return [helper.make_node("Div", [x, "sqrt2"], [f"{q}_d"]), helper.make_node("Erf", [f"{q}_d"], [f"{q}_e"]),
-                    helper.make_node("Add", [f"{q}_e", "one"], [f"{q}_a"]),
-                    helper.make_node("Mul", [x, f"{q}_a"], [f"{q}_m"]),
-                    helper.make_node("Mul", [f"{q}_m", "half"], [f"{q}_g"])]
         return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
                 helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
-                *gelu(f"{p}_xd", f"{p}_dq"), *gelu("x", f"{p}_float"),
+                *_erf_gelu(f"{p}_xd", f"{p}_dq"), *_erf_gelu("x", f"{p}_float"),
                 helper.make_node("Add", [f"{p}_dq_g", f"{p}_float_g"], ["same"])]
 
     inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5)),
@@ -496,16 +498,10 @@ def test_a_gelu_that_reads_a_dequantize_becomes_orts_gelu_in_bodies_too():
                                    rtol=1e-6, atol=1e-6)
 
 
-def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
-    from onnxport.passes.contrib_gelu import BiasGeluPass
-    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
-
-    def body(p):  # a float-output quantized linear, its bias, the ordered GELU; a GELU of x + a computed tensor stays
-        def gelu(x, q):
-            return [helper.make_node("Div", [x, "sqrt2"], [f"{q}_d"]), helper.make_node("Erf", [f"{q}_d"], [f"{q}_e"]),
-                    helper.make_node("Add", [f"{q}_e", "one"], [f"{q}_a"]),
-                    helper.make_node("Mul", [x, f"{q}_a"], [f"{q}_m"]),
-                    helper.make_node("Mul", [f"{q}_m", "half"], [f"{q}_g"])]
+def _biased_linear_then(gelu):
+    """An If branch: a float-output quantized linear, its bias, then ``gelu`` of that sum; and the same
+    GELU of ``x + x`` (no constant bias), which the bias passes must leave alone."""
+    def body(p):
         return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
                 helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
                 helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
@@ -513,10 +509,20 @@ def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
                 helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]), *gelu(f"{p}_y", f"{p}_b"),
                 helper.make_node("Add", ["x", "x"], [f"{p}_x2"]), *gelu(f"{p}_x2", f"{p}_f"),
                 helper.make_node("Concat", [f"{p}_b_g", f"{p}_f_g"], ["same"], axis=-1)]
+    return body
 
-    inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5)),
-             _c("s", np.float32(0.05)), _c("zp", np.uint8(128)), _c("ws", np.float32(0.02)),
-             _c("wq", RNG.integers(-64, 65, (16, 16)).astype(np.int8)), _c("bias", RNG.standard_normal(16).astype(np.float32))]
+
+def _linear_inits():  # the constants of _biased_linear_then's linear, drawn afresh
+    return [_c("s", np.float32(0.05)), _c("zp", np.uint8(128)), _c("ws", np.float32(0.02)),
+            _c("wq", RNG.integers(-64, 65, (16, 16)).astype(np.int8)), _c("bias", RNG.standard_normal(16).astype(np.float32))]
+
+
+def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
+    from onnxport.passes.contrib_gelu import BiasGeluPass
+    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
+
+    body = _biased_linear_then(_erf_gelu)
+    inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5)), *_linear_inits()]
     # as the exporter runs them: the bias takes the input's rank first, which keeps ORT from fusing it
     model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 32]))
     ranked = _apply(LinearBiasRankPass(), model)[0]
@@ -548,19 +554,9 @@ def test_a_tanh_gelu_after_a_quantized_linears_bias_becomes_orts_fast_gelu_with_
                 helper.make_node("Mul", [f"{q}_i", "k"], [f"{q}_s"]), helper.make_node("Tanh", [f"{q}_s"], [f"{q}_t"]),
                 helper.make_node("Add", [f"{q}_t", "one"], [f"{q}_o"]), helper.make_node("Mul", [f"{q}_h", f"{q}_o"], [f"{q}_g"])]
 
-    def body(p):  # a float-output quantized linear, its bias, the tanh GELU; one of x + x stays
-        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
-                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
-                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
-                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
-                helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]), *tanh_gelu(f"{p}_y", f"{p}_b"),
-                helper.make_node("Add", ["x", "x"], [f"{p}_x2"]), *tanh_gelu(f"{p}_x2", f"{p}_f"),
-                helper.make_node("Concat", [f"{p}_b_g", f"{p}_f_g"], ["same"], axis=-1)]
-
+    body = _biased_linear_then(tanh_gelu)
     inits = [_c("half", np.float32(0.5)), _c("three", np.float32(3)), _c("c", np.float32(0.044715)),
-             _c("k", np.float32(np.sqrt(2 / np.pi))), _c("one", np.float32(1)),
-             _c("s", np.float32(0.05)), _c("zp", np.uint8(128)), _c("ws", np.float32(0.02)),
-             _c("wq", RNG.integers(-64, 65, (16, 16)).astype(np.int8)), _c("bias", RNG.standard_normal(16).astype(np.float32))]
+             _c("k", np.float32(np.sqrt(2 / np.pi))), _c("one", np.float32(1)), *_linear_inits()]
     model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 32]))
     ranked = _apply(LinearBiasRankPass(), model)[0]
     assert _ort_optimised_ops(ranked).count("Add") >= 2  # ORT fuses FastGelu but leaves each rank-3 bias an Add
