@@ -572,7 +572,7 @@ def test_a_tanh_gelu_after_a_quantized_linears_bias_becomes_orts_fast_gelu_with_
     for flag in (True, False):  # the same tanh GELU of the same sum, possibly last bits apart
         feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
         np.testing.assert_allclose(run(fused, feeds, optimized=False)[0], run(ranked, feeds, optimized=False)[0],
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=1e-5, atol=1e-5)  # FastGelu's tanh is MLAS's own approximation, per ISA
 
 
 def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
