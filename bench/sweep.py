@@ -135,19 +135,13 @@ def _runs_for(fp32: Path, sample) -> int:
     return max(6, min(200, round(ROUND_MS / max(each, 1e-3))))
 
 
-def _input_name(path: Path) -> str:
-    import onnx
-
-    return onnx.load(str(path), load_external_data=False).graph.input[0].name
-
-
 def _one(entry, out: Path) -> dict:
     import torch
 
     from onnxport import Quantizer, compare_qdq, export_onnx, export_qdq
     from onnxport.passes.ort_quantize import OrtQuantizeOptions, quantize_file
 
-    from .zoo import _fused, _latencies
+    from .zoo import _fused, _latencies, input_name
 
     model = entry.model()
     if entry.kind == "tokens":  # the sweep's text models hold their vocabulary at _TEXT's size
@@ -169,7 +163,7 @@ def _one(entry, out: Path) -> dict:
     result["seconds_ours"] = time.perf_counter() - start
     start = time.perf_counter()
     modes = ("static", "dynamic") if entry.kind == "tokens" else ("static",)
-    feeds = [{_input_name(files["fp32"]): batch.numpy()} for batch in calibration]
+    feeds = [{input_name(files["fp32"]): batch.numpy()} for batch in calibration]
     for mode in modes:
         for suffix, reduce_range in (("", False), ("_rr", True)):
             name = f"ort_{mode}{suffix}"

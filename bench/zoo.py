@@ -99,14 +99,19 @@ def _latencies(files: dict[str, Path], inputs: dict[int, np.ndarray], runs: int 
     # random weights push some FP32 activations into subnormal floats (EfficientNet-B0's
     # squeeze-excite: 280 ms instead of ~20), which trained weights do not: flush them for every file
     options.add_session_config_entry("session.set_denormal_as_zero", "1")
-    import onnx
-
     # every file of one model takes the same input name
-    name = onnx.load(str(next(iter(files.values()))), load_external_data=False).graph.input[0].name
+    name = input_name(next(iter(files.values())))
     batches = list(inputs)
     feeds = [{name: inputs[batch]} for batch in batches]
     timed = interleaved_ms(files, feeds, rounds=rounds, runs=runs, warmup=WARMUP, session_options=options)
     return {name: dict(zip(batches, per_feed)) for name, per_feed in timed.items()}
+
+
+def input_name(path: Path) -> str:
+    """The name of a file's first input, read from its header (weights not loaded)."""
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False).graph.input[0].name
 
 
 def _fused(path: Path) -> dict:
