@@ -846,3 +846,41 @@ def test_residual_add_and_rms_norm_become_one_skip_norm_and_the_sum_stays_readab
     feeds = {"x": rng.standard_normal((2, 3, 8)).astype(np.float32), "r": rng.standard_normal((2, 3, 8)).astype(np.float32)}
     for want, got in zip(run(proto, feeds, optimized=False), run(ir.to_proto(model), feeds, optimized=False)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_a_scale_in_bodies_too():
+    from onnxport.passes.fold_bias_shift import FoldBiasIntoShiftPass
+    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
+
+    def body(p):  # MobileBERT's NoNorm after a float-output linear and its residual: ((m + b) + x) · γ + β
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
+                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
+                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
+                helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]),
+                helper.make_node("Add", ["x", f"{p}_y"], [f"{p}_r"]),
+                helper.make_node("Mul", [f"{p}_r", "gamma"], [f"{p}_n"]),
+                helper.make_node("Add", [f"{p}_n", "beta"], [f"{p}_folded"]),
+                # left alone: a bias a ReLU reads, and one whose sum is read twice
+                helper.make_node("Add", ["x", "bias"], [f"{p}_y2"]), helper.make_node("Relu", [f"{p}_y2"], [f"{p}_a"]),
+                helper.make_node("Add", [f"{p}_a", "beta"], [f"{p}_kept"]),
+                helper.make_node("Add", ["x", "bias"], [f"{p}_y3"]), helper.make_node("Mul", [f"{p}_y3", f"{p}_y3"], [f"{p}_sq"]),
+                helper.make_node("Add", [f"{p}_sq", "beta"], [f"{p}_twice"]),
+                helper.make_node("Concat", [f"{p}_folded", f"{p}_kept", f"{p}_twice"], ["same"], axis=-1)]
+
+    inits = [*_linear_inits(), _c("gamma", RNG.uniform(0.5, 2.0, 16).astype(np.float32)),
+             _c("beta", RNG.standard_normal(16).astype(np.float32))]
+    # as the exporter runs them: the bias has the input's rank (else ORT makes the linear a float Gemm)
+    model = _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 48])))[0]
+    folded, first, second = _apply(FoldBiasIntoShiftPass(), model)
+    assert (first, second) == (True, False)
+    onnx.checker.check_model(folded, full_check=True)
+    before, after = [n.op_type for n in _body_nodes(model)], [n.op_type for n in _body_nodes(folded)]
+    assert after.count("Add") == before.count("Add") - 2 and after.count("Mul") == before.count("Mul")  # one per branch
+    assert _ort_optimised_ops(folded).count("Add") == _ort_optimised_ops(model).count("Add") - 2
+    for flag in (True, False):  # the same sums in another order: within a few units in the last place of the outputs
+        feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
+        got, want = run(folded, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[..., 16:], want[..., 16:])  # the two left alone: untouched
+

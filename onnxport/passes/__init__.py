@@ -3,6 +3,7 @@ subgraphs and is honest about ``modified``; the exporters run them as Pipeline s
 on an ``onnx.ModelProto``, ``onnxport._ir.on_proto(SomePass(), model)`` returns a new proto."""
 
 from .conv_kernel_shape import AddConvKernelShapePass, convs_missing_kernel_shape
+from .fold_bias_shift import FoldBiasIntoShiftPass
 from .fold_pad import FoldPadIntoConvPass
 from .fold_weight_transpose import FoldWeightTransposePass
 from .gelu_order import GeluOrderPass
@@ -17,6 +18,7 @@ from .uint8_activations import ActivationsToUint8Pass
 __all__ = [
     "ActivationsToUint8Pass",
     "AddConvKernelShapePass",
+    "FoldBiasIntoShiftPass",
     "FoldPadIntoConvPass",
     "FoldQDQParameterCastsPass",
     "FoldWeightTransposePass",

@@ -14,6 +14,7 @@ from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.contrib_gelu import BiasFastGeluPass, BiasGeluPass, DequantizedGeluPass
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
+from ..passes.fold_bias_shift import FoldBiasIntoShiftPass
 from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
 from ..passes.gelu_order import GeluOrderPass
@@ -25,7 +26,7 @@ from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
 from ..pipeline import IdenticalOutputs, LastBit, Pipeline, Step, Structural
-from ..targets import get_target
+from ..targets import ExportDefaults, get_target
 from .checks import (
     activation_zero_points,
     captured_symbolic_axes,
@@ -125,8 +126,9 @@ def export_qdq(
             ``dynamic_batch=True``. Every promise is checked at two sizes of each.
         input_names, output_names: graph input/output names (defaults as ``export_onnx``).
 
-    A file for the ``'onnxruntime'`` target writes a GELU whose input is a DequantizeLinear as
-    ORT's ``com.microsoft.Gelu`` (ORT cannot fuse it there itself); every other node is standard.
+    A file for the ``'onnxruntime'`` target writes, where ORT's load-time fusions cannot, a GELU
+    whose input is a DequantizeLinear as ORT's ``com.microsoft.Gelu``, and a GELU after a
+    float-output linear's bias as ``BiasGelu`` or ``FastGelu``; every other node is standard.
 
     Every promise is checked on the produced graph: standard Q/DQ operators only, the model's
     exact scales, zero-points, types and axes, the declared opset, ``kernel_shape`` on every
@@ -189,7 +191,7 @@ def export_qdq(
             ).model
         pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
         bar.update()
-        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, defaults.contrib_gelu, defaults.bias_at_input_rank))
+        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, defaults))
         if spec is not None:  # the record check_target reads: which weight rule the file follows
             graph.metadata_props[WEIGHT_RANGE_KEY] = spec.weight_range
         bar.update()
@@ -201,10 +203,10 @@ def export_qdq(
     return target
 
 
-def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = False,
-              bias_at_input_rank: bool = False) -> list[Step]:
-    """The graph steps of :func:`export_qdq`, in order, each with its proof (``contrib_gelu`` and
-    ``bias_at_input_rank``: the target's :class:`~onnxport.targets.ExportDefaults`)."""
+def qdq_steps(opset_version: int, activation_dtype: str, defaults: ExportDefaults | None = None) -> list[Step]:
+    """The graph steps of :func:`export_qdq`, in order, each with its proof (which of the optional
+    ones run: the target's :class:`~onnxport.targets.ExportDefaults`)."""
+    defaults = defaults or ExportDefaults()
     steps = [
         Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), IdenticalOutputs),
         Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), IdenticalOutputs),
@@ -212,7 +214,7 @@ def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = Fa
         Step("fold zero pads into convs", FoldPadIntoConvPass(), IdenticalOutputs),
         Step("order GELUs for fusion", GeluOrderPass(), IdenticalOutputs),
         *([Step("give float-output linears' biases the input's rank", LinearBiasRankPass(), IdenticalOutputs)]
-          if bias_at_input_rank else []),
+          if defaults.bias_at_input_rank else []),
         Step("add Conv kernel_shape", AddConvKernelShapePass(), Structural),
         Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural),
     ]
@@ -225,7 +227,9 @@ def qdq_steps(opset_version: int, activation_dtype: str, contrib_gelu: bool = Fa
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
     steps.append(Step("write spatial means as global pools", SpatialMeanToGlobalPoolPass(), LastBit))
     steps.append(Step("clip pool windows to their input", PoolWindowPass(), LastBit))
-    if contrib_gelu:
+    if defaults.fold_bias_shifts:
+        steps.append(Step("fold biases into the next constant shift", FoldBiasIntoShiftPass(), LastBit))
+    if defaults.contrib_gelu:
         # the fused kernels may round a last bit unlike the five ops: the checker is their proof
         steps.append(Step("write biased GELUs as ORT's BiasGelu", BiasGeluPass(), LastBit))
         steps.append(Step("write biased tanh GELUs as ORT's FastGelu", BiasFastGeluPass(), LastBit))

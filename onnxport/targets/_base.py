@@ -116,6 +116,9 @@ class ExportDefaults:
         bias_at_input_rank: give the bias of a quantized linear whose output stays float the
             rank of its input, so that ONNX Runtime's MatMul+Add→Gemm fusion (static shapes)
             leaves the linear to its INT8 kernel (:mod:`onnxport.passes.linear_bias_rank`).
+        fold_bias_shifts: add a constant Add's constant into the next constant Add downstream of
+            it (through Adds and constant Muls), where ONNX Runtime would run it as a pass of its own
+            (:mod:`onnxport.passes.fold_bias_shift`).
     """
 
     activation_dtype: str = "int8"
@@ -123,6 +126,7 @@ class ExportDefaults:
     opset_16bit: int = 21
     contrib_gelu: bool = False
     bias_at_input_rank: bool = False
+    fold_bias_shifts: bool = False
 
     def opset_for(self, activation_bits: int | None) -> int:
         return self.opset_16bit if activation_bits == 16 else self.opset

@@ -9,7 +9,8 @@ VNNI; the Q/DQ pairs around them cost a pass each besides),
 linear outputs nothing quantized reads left float (QGemm/MatMulIntegerToFloat), and GELU after a
 DequantizeLinear written as ``com.microsoft.Gelu``, the form ORT fuses there, and the bias of a
 linear with a float output at its input's rank, so that ORT's MatMul+Add→Gemm fusion of static
-shapes does not leave it a float Gemm.
+shapes does not leave it a float Gemm; where that bias reaches a later constant shift (MobileBERT's
+NoNorm), it is added there instead of in a pass of its own.
 """
 
 from ._base import I8, U8, Annotation, ExportDefaults, FileRules, Target
@@ -25,5 +26,6 @@ TARGET = Target(
         activation_types=frozenset({U8}), weight_type=I8, relu_range_from_zero=True, portable_weights=True,
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
-    defaults=ExportDefaults(activation_dtype="uint8", contrib_gelu=True, bias_at_input_rank=True),
+    defaults=ExportDefaults(activation_dtype="uint8", contrib_gelu=True, bias_at_input_rank=True,
+                            fold_bias_shifts=True),
 )
