@@ -884,3 +884,41 @@ def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(got[..., 16:], want[..., 16:])  # the two left alone: untouched
 
+
+def test_a_linears_bias_and_residual_before_a_layer_norm_become_one_skip_layer_norm_in_bodies_too():
+    from onnxport.passes.bias_skip_norm import BiasSkipLayerNormPass
+    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
+
+    def body(p):  # BERT's block end: LayerNorm((m + b) + x); left alone: a pre-norm layer's, whose sum
+        # flows on as the next residual, and LayerNorm((x + b) + x) whose biased sum is read twice
+        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
+                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
+                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
+                helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]),
+                helper.make_node("Add", [f"{p}_y", "x"], [f"{p}_r"]),
+                helper.make_node("LayerNormalization", [f"{p}_r", "gamma", "beta"], [f"{p}_fused"], axis=-1, epsilon=1e-6),
+                helper.make_node("Add", ["x", "bias"], [f"{p}_y1"]), helper.make_node("Add", [f"{p}_y1", "x"], [f"{p}_r1"]),
+                helper.make_node("LayerNormalization", [f"{p}_r1", "gamma", "beta"], [f"{p}_n1"], axis=-1),
+                helper.make_node("Add", [f"{p}_n1", f"{p}_r1"], [f"{p}_flows"]),
+                helper.make_node("Add", ["x", "bias"], [f"{p}_y2"]), helper.make_node("Add", [f"{p}_y2", "x"], [f"{p}_r2"]),
+                helper.make_node("LayerNormalization", [f"{p}_r2", "gamma", "beta"], [f"{p}_n2"], axis=-1),
+                helper.make_node("Add", [f"{p}_n2", f"{p}_y2"], [f"{p}_kept"]),
+                helper.make_node("Concat", [f"{p}_fused", f"{p}_flows", f"{p}_kept"], ["same"], axis=-1)]
+
+    inits = [*_linear_inits(), _c("gamma", RNG.uniform(0.5, 2.0, 16).astype(np.float32)),
+             _c("beta", RNG.standard_normal(16).astype(np.float32))]
+    model = _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 48])))[0]
+    fused, first, second = _apply(BiasSkipLayerNormPass(), model)
+    assert (first, second) == (True, False)
+    onnx.checker.check_model(fused, full_check=True)
+    ops = [n.op_type for n in _body_nodes(fused)]
+    assert ops.count("SkipLayerNormalization") == 2 and ops.count("LayerNormalization") == 4, ops  # one per branch
+    assert all(n.domain == "com.microsoft" and len(n.input) == 5 for n in _body_nodes(fused) if n.op_type == "SkipLayerNormalization")
+    # ORT fused the residual and the norm itself, but not the rank-3 bias: one Add per branch fewer
+    assert _ort_optimised_ops(fused).count("Add") == _ort_optimised_ops(model).count("Add") - 2
+    for flag in (True, False):  # the same sum and norm, the terms added in the kernel's order
+        feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
+        got, want = run(fused, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[..., 16:], want[..., 16:])  # those left alone: untouched

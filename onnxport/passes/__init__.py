@@ -2,6 +2,7 @@
 subgraphs and is honest about ``modified``; the exporters run them as Pipeline steps. To run one
 on an ``onnx.ModelProto``, ``onnxport._ir.on_proto(SomePass(), model)`` returns a new proto."""
 
+from .bias_skip_norm import BiasSkipLayerNormPass
 from .conv_kernel_shape import AddConvKernelShapePass, convs_missing_kernel_shape
 from .fold_bias_shift import FoldBiasIntoShiftPass
 from .fold_pad import FoldPadIntoConvPass
@@ -18,6 +19,7 @@ from .uint8_activations import ActivationsToUint8Pass
 __all__ = [
     "ActivationsToUint8Pass",
     "AddConvKernelShapePass",
+    "BiasSkipLayerNormPass",
     "FoldBiasIntoShiftPass",
     "FoldPadIntoConvPass",
     "FoldQDQParameterCastsPass",

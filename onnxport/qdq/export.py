@@ -12,6 +12,7 @@ from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 from .._axes import BATCH, captured_axes, resolve_axes
 from .._io import check_output_path, staged_output
 from ..errors import ExportRefusedError, InvalidArgumentError
+from ..passes.bias_skip_norm import BiasSkipLayerNormPass
 from ..passes.contrib_gelu import BiasFastGeluPass, BiasGeluPass, DequantizedGeluPass
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
 from ..passes.fold_bias_shift import FoldBiasIntoShiftPass
@@ -127,8 +128,9 @@ def export_qdq(
         input_names, output_names: graph input/output names (defaults as ``export_onnx``).
 
     A file for the ``'onnxruntime'`` target writes, where ORT's load-time fusions cannot, a GELU
-    whose input is a DequantizeLinear as ORT's ``com.microsoft.Gelu``, and a GELU after a
-    float-output linear's bias as ``BiasGelu`` or ``FastGelu``; every other node is standard.
+    whose input is a DequantizeLinear as ORT's ``com.microsoft.Gelu``, a GELU after a float-output
+    linear's bias as ``BiasGelu`` or ``FastGelu``, and such a bias with the residual Add and
+    LayerNormalization after it as ``SkipLayerNormalization``; every other node is standard.
 
     Every promise is checked on the produced graph: standard Q/DQ operators only, the model's
     exact scales, zero-points, types and axes, the declared opset, ``kernel_shape`` on every
@@ -229,6 +231,8 @@ def qdq_steps(opset_version: int, activation_dtype: str, defaults: ExportDefault
     steps.append(Step("clip pool windows to their input", PoolWindowPass(), LastBit))
     if defaults.fold_bias_shifts:
         steps.append(Step("fold biases into the next constant shift", FoldBiasIntoShiftPass(), LastBit))
+    if defaults.bias_skip_norm:
+        steps.append(Step("write bias, residual and LayerNorm as ORT's SkipLayerNormalization", BiasSkipLayerNormPass(), LastBit))
     if defaults.contrib_gelu:
         # the fused kernels may round a last bit unlike the five ops: the checker is their proof
         steps.append(Step("write biased GELUs as ORT's BiasGelu", BiasGeluPass(), LastBit))

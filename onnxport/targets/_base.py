@@ -119,6 +119,9 @@ class ExportDefaults:
         fold_bias_shifts: add a constant Add's constant into the next constant Add downstream of
             it (through Adds and constant Muls), where ONNX Runtime would run it as a pass of its own
             (:mod:`onnxport.passes.fold_bias_shift`).
+        bias_skip_norm: write a linear's bias, the residual Add after it and the LayerNormalization
+            of that sum as ``com.microsoft.SkipLayerNormalization`` with the bias inside
+            (:mod:`onnxport.passes.bias_skip_norm`): ONNX Runtime's own fusion takes a 1-D bias only.
     """
 
     activation_dtype: str = "int8"
@@ -127,6 +130,7 @@ class ExportDefaults:
     contrib_gelu: bool = False
     bias_at_input_rank: bool = False
     fold_bias_shifts: bool = False
+    bias_skip_norm: bool = False
 
     def opset_for(self, activation_bits: int | None) -> int:
         return self.opset_16bit if activation_bits == 16 else self.opset

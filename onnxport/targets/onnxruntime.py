@@ -10,7 +10,8 @@ linear outputs nothing quantized reads left float (QGemm/MatMulIntegerToFloat), 
 DequantizeLinear written as ``com.microsoft.Gelu``, the form ORT fuses there, and the bias of a
 linear with a float output at its input's rank, so that ORT's MatMul+Add→Gemm fusion of static
 shapes does not leave it a float Gemm; where that bias reaches a later constant shift (MobileBERT's
-NoNorm), it is added there instead of in a pass of its own.
+NoNorm), it is added there instead of in a pass of its own, and where a residual Add and a
+LayerNormalization follow it (BERT), it goes into ``com.microsoft.SkipLayerNormalization``.
 """
 
 from ._base import I8, U8, Annotation, ExportDefaults, FileRules, Target
@@ -27,5 +28,5 @@ TARGET = Target(
         activation_hint="ONNX Runtime's CPU runs U8S8 (uint8 activations) fastest: export with activation_dtype='uint8'.",
     ),
     defaults=ExportDefaults(activation_dtype="uint8", contrib_gelu=True, bias_at_input_rank=True,
-                            fold_bias_shifts=True),
+                            fold_bias_shifts=True, bias_skip_norm=True),
 )
