@@ -16,6 +16,7 @@ from onnxport._checks import run
 from onnxport._ir import on_proto
 from onnxport.errors import ExportRefusedError
 from onnxport.passes.conv_kernel_shape import AddConvKernelShapePass
+from onnxport.passes.linear_bias_rank import LinearBiasRankPass
 from onnxport.passes.lower_opset import LowerOpsetPass
 from onnxport.passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
 from onnxport.passes.rsqrt_div import RsqrtToDivPass
@@ -498,28 +499,32 @@ def test_a_gelu_that_reads_a_dequantize_becomes_orts_gelu_in_bodies_too():
                                    rtol=1e-6, atol=1e-6)
 
 
+def _quantized_linear(p: str) -> list[onnx.NodeProto]:
+    """A float-output quantized linear of ``x`` into ``{p}_m`` (its constants: :func:`_linear_inits`)."""
+    return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
+            helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
+            helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
+            helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"])]
+
+
 def _biased_linear_then(gelu):
     """An If branch: a float-output quantized linear, its bias, then ``gelu`` of that sum; and the same
     GELU of ``x + x`` (no constant bias), which the bias passes must leave alone."""
     def body(p):
-        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
-                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
-                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
-                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
+        return [*_quantized_linear(p),
                 helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]), *gelu(f"{p}_y", f"{p}_b"),
                 helper.make_node("Add", ["x", "x"], [f"{p}_x2"]), *gelu(f"{p}_x2", f"{p}_f"),
                 helper.make_node("Concat", [f"{p}_b_g", f"{p}_f_g"], ["same"], axis=-1)]
     return body
 
 
-def _linear_inits():  # the constants of _biased_linear_then's linear, drawn afresh
+def _linear_inits():  # the constants of _quantized_linear, drawn afresh
     return [_c("s", np.float32(0.05)), _c("zp", np.uint8(128)), _c("ws", np.float32(0.02)),
             _c("wq", RNG.integers(-64, 65, (16, 16)).astype(np.int8)), _c("bias", RNG.standard_normal(16).astype(np.float32))]
 
 
 def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
     from onnxport.passes.contrib_gelu import BiasGeluPass
-    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
 
     body = _biased_linear_then(_erf_gelu)
     inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5)), *_linear_inits()]
@@ -546,7 +551,6 @@ def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
 
 def test_a_tanh_gelu_after_a_quantized_linears_bias_becomes_orts_fast_gelu_with_that_bias():
     from onnxport.passes.contrib_gelu import BiasFastGeluPass
-    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
 
     def tanh_gelu(x, q):  # transformers' gelu_new as the exporter writes it
         return [helper.make_node("Mul", [x, "half"], [f"{q}_h"]), helper.make_node("Pow", [x, "three"], [f"{q}_p"]),
@@ -722,7 +726,6 @@ def _ort_ops(model: onnx.ModelProto, tmp_path) -> set[str]:
 
 
 def test_a_float_output_linears_bias_takes_the_input_rank_so_ort_keeps_it_int8(tmp_path):
-    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
 
     plain = _linear_model(quantized_output=False)
     # the cause, as ORT does it: with static shapes MatMul+Add becomes a float Gemm between DQs
@@ -848,15 +851,19 @@ def test_residual_add_and_rms_norm_become_one_skip_norm_and_the_sum_stays_readab
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _normed_ranked_model(body, width: int) -> onnx.ModelProto:
+    """``_if_model`` of ``body`` (a linear, then norms with 16-wide ``gamma``/``beta``) as the exporter
+    has it by then: its float-output linear's bias at the input's rank (else ORT makes it a float Gemm)."""
+    inits = [*_linear_inits(), _c("gamma", RNG.uniform(0.5, 2.0, 16).astype(np.float32)),
+             _c("beta", RNG.standard_normal(16).astype(np.float32))]
+    return _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, width])))[0]
+
+
 def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_a_scale_in_bodies_too():
     from onnxport.passes.fold_bias_shift import FoldBiasIntoShiftPass
-    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
 
     def body(p):  # MobileBERT's NoNorm after a float-output linear and its residual: ((m + b) + x) · γ + β
-        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
-                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
-                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
-                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
+        return [*_quantized_linear(p),
                 helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]),
                 helper.make_node("Add", ["x", f"{p}_y"], [f"{p}_r"]),
                 helper.make_node("Mul", [f"{p}_r", "gamma"], [f"{p}_n"]),
@@ -868,10 +875,7 @@ def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_
                 helper.make_node("Add", [f"{p}_sq", "beta"], [f"{p}_twice"]),
                 helper.make_node("Concat", [f"{p}_folded", f"{p}_kept", f"{p}_twice"], ["same"], axis=-1)]
 
-    inits = [*_linear_inits(), _c("gamma", RNG.uniform(0.5, 2.0, 16).astype(np.float32)),
-             _c("beta", RNG.standard_normal(16).astype(np.float32))]
-    # as the exporter runs them: the bias has the input's rank (else ORT makes the linear a float Gemm)
-    model = _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 48])))[0]
+    model = _normed_ranked_model(body, 48)
     folded, first, second = _apply(FoldBiasIntoShiftPass(), model)
     assert (first, second) == (True, False)
     onnx.checker.check_model(folded, full_check=True)
@@ -887,14 +891,10 @@ def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_
 
 def test_a_linears_bias_and_residual_before_a_layer_norm_become_one_skip_layer_norm_in_bodies_too():
     from onnxport.passes.bias_skip_norm import BiasSkipLayerNormPass
-    from onnxport.passes.linear_bias_rank import LinearBiasRankPass
 
     def body(p):  # BERT's block end: LayerNorm((m + b) + x); left alone: a pre-norm layer's, whose sum
         # flows on as the next residual, and LayerNorm((x + b) + x) whose biased sum is read twice
-        return [helper.make_node("QuantizeLinear", ["x", "s", "zp"], [f"{p}_xq"]),
-                helper.make_node("DequantizeLinear", [f"{p}_xq", "s", "zp"], [f"{p}_xd"]),
-                helper.make_node("DequantizeLinear", ["wq", "ws"], [f"{p}_wd"]),
-                helper.make_node("MatMul", [f"{p}_xd", f"{p}_wd"], [f"{p}_m"]),
+        return [*_quantized_linear(p),
                 helper.make_node("Add", [f"{p}_m", "bias"], [f"{p}_y"]),
                 helper.make_node("Add", [f"{p}_y", "x"], [f"{p}_r"]),
                 helper.make_node("LayerNormalization", [f"{p}_r", "gamma", "beta"], [f"{p}_fused"], axis=-1, epsilon=1e-6),
@@ -906,9 +906,7 @@ def test_a_linears_bias_and_residual_before_a_layer_norm_become_one_skip_layer_n
                 helper.make_node("Add", [f"{p}_n2", f"{p}_y2"], [f"{p}_kept"]),
                 helper.make_node("Concat", [f"{p}_fused", f"{p}_flows", f"{p}_kept"], ["same"], axis=-1)]
 
-    inits = [*_linear_inits(), _c("gamma", RNG.uniform(0.5, 2.0, 16).astype(np.float32)),
-             _c("beta", RNG.standard_normal(16).astype(np.float32))]
-    model = _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 48])))[0]
+    model = _normed_ranked_model(body, 48)
     fused, first, second = _apply(BiasSkipLayerNormPass(), model)
     assert (first, second) == (True, False)
     onnx.checker.check_model(fused, full_check=True)
