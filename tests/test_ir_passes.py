@@ -851,15 +851,17 @@ def test_residual_add_and_rms_norm_become_one_skip_norm_and_the_sum_stays_readab
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _normed_ranked_model(body, width: int) -> onnx.ModelProto:
+def _normed_ranked_model(body, width: int, batch: int | str = 1) -> onnx.ModelProto:
     """``_if_model`` of ``body`` (a linear, then norms with 16-wide ``gamma``/``beta``) as the exporter
-    has it by then: its float-output linear's bias at the input's rank (else ORT makes it a float Gemm)."""
+    has it by then: its float-output linear's bias at the input's rank (else ORT makes it a float Gemm;
+    with a named batch neither happens)."""
     inits = [*_linear_inits(), _c("gamma", RNG.uniform(0.5, 2.0, 16).astype(np.float32)),
              _c("beta", RNG.standard_normal(16).astype(np.float32))]
-    return _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, width])))[0]
+    return _apply(LinearBiasRankPass(), onnx.shape_inference.infer_shapes(_if_model(body, inits, [batch, 6, 16], [batch, 6, width])))[0]
 
 
-def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_a_scale_in_bodies_too():
+@pytest.mark.parametrize("batch", [1, "batch"])
+def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_a_scale_in_bodies_too(batch):
     from onnxport.passes.fold_bias_shift import FoldBiasIntoShiftPass
 
     def body(p):  # MobileBERT's NoNorm after a float-output linear and its residual: ((m + b) + x) · γ + β
@@ -875,7 +877,7 @@ def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_
                 helper.make_node("Add", [f"{p}_sq", "beta"], [f"{p}_twice"]),
                 helper.make_node("Concat", [f"{p}_folded", f"{p}_kept", f"{p}_twice"], ["same"], axis=-1)]
 
-    model = _normed_ranked_model(body, 48)
+    model = _normed_ranked_model(body, 48, batch)
     folded, first, second = _apply(FoldBiasIntoShiftPass(), model)
     assert (first, second) == (True, False)
     onnx.checker.check_model(folded, full_check=True)
@@ -883,7 +885,7 @@ def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_
     assert after.count("Add") == before.count("Add") - 2 and after.count("Mul") == before.count("Mul")  # one per branch
     assert _ort_optimised_ops(folded).count("Add") == _ort_optimised_ops(model).count("Add") - 2
     for flag in (True, False):  # the same sums in another order: within a few units in the last place of the outputs
-        feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
+        feeds = {"x": RNG.standard_normal((1 if batch == 1 else 3, 6, 16)).astype(np.float32), "flag": np.array(flag)}
         got, want = run(folded, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(got[..., 16:], want[..., 16:])  # the two left alone: untouched

@@ -25,19 +25,20 @@ import onnx_ir as ir
 from .._ir import const_array, drop_unread_constants, is_default, nodes, taken_names, unique_name
 
 
-def _static(value: ir.Value | None) -> tuple[int, ...] | None:
+def _known(value: ir.Value | None) -> ir.Shape | None:
+    """The value's shape when every dim is known, as a number or a name (a symbolic batch)."""
     shape = value.shape if value is not None else None
-    if shape is None or not all(isinstance(d, int) for d in shape):
+    if shape is None or any(d is None or (not isinstance(d, int) and d.value is None) for d in shape):
         return None
-    return tuple(int(d) for d in shape)
+    return shape
 
 
-def _broadcasts_into(small: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    """Whether a constant of shape ``small`` broadcast with ``shape`` leaves ``shape`` as it is."""
-    try:
-        return len(small) <= len(shape) and np.broadcast_shapes(small, shape) == shape
-    except ValueError:
-        return False
+def _broadcasts_into(small: tuple[int, ...], shape: ir.Shape) -> bool:
+    """Whether a constant of shape ``small`` broadcast with ``shape`` leaves ``shape`` as it is
+    (a named dim takes only a 1)."""
+    dims = list(shape)
+    return len(small) <= len(dims) and all(s == 1 or (isinstance(d, int) and s == d)
+                                           for s, d in zip(reversed(small), reversed(dims)))
 
 
 def _constant_addend(add: ir.Node) -> tuple[ir.Value, int, np.ndarray] | None:
@@ -90,17 +91,17 @@ class FoldBiasIntoShiftPass(ir.passes.InPlacePass):
             if not isinstance(graph, ir.Graph):  # removed by an earlier fold, or in a function (no initializers)
                 continue
             found = _constant_addend(add)
-            shape = _static(add.outputs[0])
+            shape = _known(add.outputs[0])
             if found is None or shape is None:
                 continue
             computed, index, bias = found
-            if _static(computed) != shape:  # the bias must not be what gives the sum its shape
+            if _known(computed) != shape:  # the bias must not be what gives the sum its shape
                 continue
             chain = _downstream_shift(add.outputs[0], graph)
             if chain is None:
                 continue
             target, target_index, shift, scale = chain
-            target_shape = _static(target.outputs[0])
+            target_shape = _known(target.outputs[0])
             folded = (shift.astype(np.float64) + bias.astype(np.float64) * scale).astype(shift.dtype)
             if target_shape is None or not _broadcasts_into(folded.shape, target_shape) \
                     or folded.size > max(shift.size, bias.size):  # a file holds no constant larger than before
