@@ -66,6 +66,22 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def last_axis_bias(add: ir.Node) -> tuple[ir.Value, np.ndarray] | None:
+    """(``y``, the bias as 1-D) when ``add`` is a default-domain ``y + bias``: ``y`` computed with a
+    known last dim, ``bias`` a float32 constant along that axis only (a linear's bias, at any rank)."""
+    if add.op_type != "Add" or not is_default(add) or len(add.inputs) != 2:
+        return None
+    for index in (0, 1):
+        y, values = add.inputs[1 - index], const_array(add.inputs[index])
+        dims = y.shape.dims if y is not None and y.shape is not None else ()
+        if values is None or values.ndim < 1 or values.dtype != np.float32 or not dims or const_array(y) is not None:
+            continue
+        last = dims[-1]
+        if isinstance(last, int) and values.shape[-1] == last and values.size == last:
+            return y, values.reshape(-1)
+    return None
+
+
 def is_scalar(value: ir.Value | None, expected: float, tolerance: float = 0.0) -> bool:
     """Whether ``value`` is a one-element constant within ``tolerance`` of ``expected``."""
     values = const_array(value)

@@ -21,35 +21,36 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, is_default, nodes, taken_names, unique_name
-
-
-def _only_use(value: ir.Value, node: ir.Node) -> bool:
-    uses = list(value.uses())
-    return len(uses) == 1 and uses[0][0] is node and not value.is_graph_output()
+from .._ir import (
+    CONTRIB_DOMAIN,
+    const_array,
+    drop_unread_constants,
+    is_default,
+    last_axis_bias,
+    nodes,
+    only_reader,
+    taken_names,
+    unique_name,
+)
 
 
 def _biased_sum(total: ir.Value, norm: ir.Node, hidden: int) -> tuple[ir.Node, ir.Node, ir.Value, ir.Value, np.ndarray] | None:
     """(the residual Add, the bias Add, the product, the residual, the 1-D bias) of
     ``total = (y + bias) + skip``, each sum read only on the way to ``norm``."""
     residual = total.producer()
-    if residual is None or residual.op_type != "Add" or not is_default(residual) or not _only_use(total, norm):
+    if residual is None or residual.op_type != "Add" or only_reader(total, "LayerNormalization") is not norm:
         return None
     for index in (0, 1):
         biased, skip = residual.inputs[index], residual.inputs[1 - index]
         add = biased.producer() if biased is not None else None
-        if add is None or add.op_type != "Add" or not is_default(add) or not _only_use(biased, residual):
+        found = add and only_reader(biased, "Add") is residual and last_axis_bias(add)
+        if not found:
             continue
-        for side in (0, 1):
-            y, bias = add.inputs[side], const_array(add.inputs[1 - side])
-            if bias is None or bias.dtype != np.float32 or bias.size != hidden or bias.shape[-1] != hidden \
-                    or const_array(y) is not None:
-                continue
-            shapes = [v.shape for v in (y, skip)]
-            if any(s is None or s.rank() != 3 for s in shapes) or list(shapes[0]) != list(shapes[1]) \
-                    or shapes[0][2] != hidden:
-                continue
-            return residual, add, y, skip, bias.reshape(-1)
+        y, bias = found
+        shapes = [v.shape for v in (y, skip)]
+        if any(s is None or s.rank() != 3 for s in shapes) or list(shapes[0]) != list(shapes[1]) or bias.size != hidden:
+            continue
+        return residual, add, y, skip, bias
     return None
 
 
@@ -80,7 +81,6 @@ class BiasSkipLayerNormPass(ir.passes.InPlacePass):
             residual, add, y, skip, bias = found
             taken = taken if taken is not None else taken_names(model)
             name = unique_name("skip_layer_norm.bias", taken)
-            taken.add(name)
             bias_value = ir.Value(name=name, shape=ir.Shape(bias.shape), type=ir.TensorType(ir.DataType.FLOAT),
                                   const_value=ir.tensor(bias, name=name))
             graph.register_initializer(bias_value)

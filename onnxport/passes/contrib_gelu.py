@@ -22,10 +22,10 @@ import onnx_ir as ir
 
 from .._ir import (
     CONTRIB_DOMAIN,
-    const_array,
     drop_unread_constants,
     is_default,
     is_scalar,
+    last_axis_bias,
     nodes,
     only_reader,
     other_input,
@@ -84,20 +84,10 @@ def _bias_of(x: ir.Value, gelu: list[ir.Node]) -> tuple[ir.Node, ir.Value, np.nd
     """(the Add, its other input, the bias as 1-D) when ``x`` is ``y + bias`` for a constant bias
     along the last axis only, and the GELU's two readers of ``x`` are all it has."""
     add = x.producer()
-    if add is None or add.op_type != "Add" or not is_default(add) or len(add.inputs) != 2 or x.is_graph_output():
+    if add is None or x.is_graph_output() or {id(use.node) for use in x.uses()} - {id(n) for n in gelu}:
         return None
-    if {id(use.node) for use in x.uses()} - {id(n) for n in gelu}:
-        return None
-    for index in (0, 1):
-        y, bias = add.inputs[1 - index], add.inputs[index]
-        values = const_array(bias)
-        shape = y.shape if y is not None else None
-        if values is None or values.ndim < 1 or values.dtype != np.float32 or shape is None or not shape.dims:
-            continue
-        last = shape.dims[-1]
-        if isinstance(last, int) and values.shape[-1] == last and values.size == last and const_array(y) is None:
-            return add, y, values.reshape(-1)
-    return None
+    found = last_axis_bias(add)
+    return (add, *found) if found else None
 
 
 class _BiasIntoGelu(ir.passes.InPlacePass):

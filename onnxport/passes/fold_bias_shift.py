@@ -109,7 +109,6 @@ class FoldBiasIntoShiftPass(ir.passes.InPlacePass):
             taken = taken if taken is not None else taken_names(model)
             old = target.inputs[target_index]
             name = unique_name(f"{old.name or 'shift'}.folded", taken)
-            taken.add(name)
             value = ir.Value(name=name, shape=ir.Shape(folded.shape), type=ir.TensorType(ir.DataType.from_numpy(folded.dtype)),
                              const_value=ir.tensor(folded, name=name))
             graph.register_initializer(value)
