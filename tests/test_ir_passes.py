@@ -922,3 +922,17 @@ def test_a_linears_bias_and_residual_before_a_layer_norm_become_one_skip_layer_n
         got, want = run(fused, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(got[..., 16:], want[..., 16:])  # those left alone: untouched
+
+
+def test_only_the_onnxruntime_preset_runs_the_bias_rules_and_after_every_identical_outputs_step():
+    from onnxport.pipeline import IdenticalOutputs
+    from onnxport.qdq.export import qdq_steps
+    from onnxport.targets import get_target
+
+    rules = {"fold biases into the next constant shift", "write bias, residual and LayerNorm as ORT's SkipLayerNormalization"}
+    for name in ("onnxruntime", "tensorrt", "qnn", "openvino", None):
+        steps = qdq_steps(18, "uint8", get_target(name).defaults)
+        assert (rules <= {s.name for s in steps}) == (name == "onnxruntime"), name
+        if name == "onnxruntime":  # a last-bit step: no identical-outputs proof may follow it
+            first = min(i for i, s in enumerate(steps) if s.name in rules)
+            assert not any(s.proof is IdenticalOutputs for s in steps[first:])
