@@ -24,7 +24,7 @@ _EXPORTS = {
     "run_torch": ".compare",
     "ComparisonReport": ".compare.exported",
     "OutputComparison": ".compare.exported",
-    "save_model": ".files",
+    "save_model": ".engine",
     "OnnxportError": ".errors",
     "InvalidArgumentError": ".errors",
     "ExportRefusedError": ".errors",
@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .compare import OutputResult, Report, RunResults, compare_runs, run_onnx, run_torch
     from .compare.exported import ComparisonReport, OutputComparison, compare_onnx, verify_onnx
     from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
+    from .engine import save_model
     from .errors import (
         DependencyError,
         ExportRefusedError,
@@ -82,7 +83,6 @@ if TYPE_CHECKING:  # pragma: no cover
         WriteError,
     )
     from .export import export_onnx
-    from .files import save_model
     from .llm import DecoderFile, export_decoder, generate
     from .qdq.export import export_qdq
     from .qdq.layers import LayerReport, LayerRow, compare_layers

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from ._axes import resolve_axes
 from ._cpu import WEIGHT_RANGE_KEY, WEIGHT_RANGES
-from ._io import check_output_path, staged_output
+from ._io import check_output_path
+from .engine import ExportPlan, run_plan, validate_opset
 from .errors import InvalidArgumentError, PerformanceWarning, check_choice
 from .passes.gelu_order import GeluOrderPass
 from .passes.lower_opset import LowerOpsetPass
@@ -21,26 +23,11 @@ from .passes.optimize import OnnxSlimPass
 from .passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
 from .passes.pool_window import PoolWindowPass
 from .passes.rsqrt_div import RsqrtToDivPass
-from .pipeline import IdenticalOutputs, LastBit, OnFile, Pipeline, Step, Structural
+from .pipeline import IdenticalOutputs, LastBit, OnFile, Step, Structural
 
 QUANTIZE_MODES = ("dynamic", "static")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 QUANT_TYPES = ("uint8", "int8")
-MIN_OPSET = 13
-
-
-def _max_opset() -> int:
-    return onnx.defs.onnx_opset_version()
-
-
-def _validate_opset(opset_version: Any) -> int:
-    top = _max_opset()
-    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not MIN_OPSET <= opset_version <= top:
-        raise InvalidArgumentError(
-            f"opset_version must be an integer from {MIN_OPSET} to {top}, not {opset_version!r}: the "
-            f"exporter writes opset 18 or later, and onnxport lowers it exactly down to {MIN_OPSET} at most."
-        )
-    return opset_version
 
 
 def export_onnx(
@@ -119,7 +106,7 @@ def export_onnx(
     require_module(model)
     call, inputs, keywords = bind_sample(model, sample)
     target = check_output_path(output_path)
-    opset_version = _validate_opset(opset_version)
+    opset_version = validate_opset(opset_version)
     check_choice(quantize_mode, QUANTIZE_MODES, "quantize_mode")
     check_choice(calibration_method, CALIBRATION_METHODS, "calibration_method")
     check_choice(activation_type, QUANT_TYPES, "activation_type")
@@ -149,36 +136,28 @@ def export_onnx(
                         aliases=forward_aliases(model, in_names, keywords))
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
 
-    # -- export, lower, optimise, check, then (optionally) quantize --------------------------
-    from tqdm.auto import tqdm
-
-    n_steps = 4 + (1 if quantize else 0)
-    with staged_output(target) as staged, tqdm(total=n_steps, desc="export_onnx", leave=False, disable=None) as bar:
-        pipeline = Pipeline(feeds, scratch=staged.parent, axes=axes)
+    # -- the plan: export, lower, optimise, (quantize,) write once, prove the file ------------
+    def capture() -> ir.Model:
         with eval_mode(model), positional_forward(model, keywords):
-            graph = torch_program(
+            return torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names,
                 output_names=out_names, axes=axes,
             ).model
-        pipeline.start(graph)
-        bar.update()
-        graph = pipeline.apply(graph, float_steps(opset_version, optimize))
-        bar.update()
-        rules = []
+
+    def steps(scratch: Path) -> list[Step]:
+        steps = float_steps(opset_version, optimize)
         if quantize:
             options = OrtQuantizeOptions(
                 quantize_mode, [dict(zip(in_names, (t.numpy() for t in batch))) for batch in batches or []],
                 calibration_method, activation_type, weight_type, per_channel, op_types_to_quantize,
                 reduce_range=weight_range == "portable",
             )
-            graph = pipeline.apply(graph, ort_quantize_steps(staged.parent, options, weight_range))
-            rules.append(lambda path: _warn_about_quantized(onnx.load_model(str(path), load_external_data=False), quantize_mode))
-            bar.update()
-        pipeline.write(graph, staged)
-        del graph
-        bar.update()
-        pipeline.prove_file(staged, opset=opset_version, rules=rules)
-        bar.update()
+            steps += ort_quantize_steps(scratch, options, weight_range)
+        return steps
+
+    rules = [lambda path: _warn_about_quantized(onnx.load_model(str(path), load_external_data=False), quantize_mode)]
+    run_plan(ExportPlan("export_onnx", opset_version, feeds, capture, steps, axes=axes,
+                        rules=rules if quantize else ()), target)
     return target
 
 

@@ -16,6 +16,7 @@ default level (at two batch sizes, in one session, when the batch is dynamic).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from . import _checks
 from ._axes import Axes, describe, file_axes_problems, second_size
 from ._ir import STREAM_INLINE_BYTES, save_ir
 from .errors import ExportRefusedError
+
+log = logging.getLogger("onnxport")
 
 
 class Proof:
@@ -96,6 +99,15 @@ def check_order(steps: Sequence[Step]) -> None:
             after = step.name
 
 
+def sizes_of(feeds: Mapping[str, np.ndarray], axes: Axes,
+             samples: Sequence[Mapping[str, np.ndarray]] | None = None) -> list[Mapping[str, np.ndarray]]:
+    """The feeds every proof run uses: ``samples`` when given, else the sample and the sample one
+    longer on every symbolic axis (the sample alone when nothing is symbolic)."""
+    if samples is not None:
+        return list(samples)
+    return [feeds, second_size(feeds, axes)] if axes else [feeds]
+
+
 @dataclass
 class Pipeline:
     """Runs :class:`Step` lists against one set of reference outputs.
@@ -125,9 +137,7 @@ class Pipeline:
 
     def sizes(self) -> list[Mapping[str, np.ndarray]]:
         """The feeds every run uses: the sample, and one longer on every symbolic axis."""
-        if self.samples is not None:
-            return list(self.samples)
-        return [self.feeds, second_size(self.feeds, self.axes)] if self.axes else [self.feeds]
+        return sizes_of(self.feeds, self.axes, self.samples)
 
     def _run(self, model: onnx.ModelProto | Path, *, optimized: bool) -> list[np.ndarray]:
         """Every output at every size, in one session."""
@@ -174,8 +184,10 @@ class Pipeline:
                 raise ExportRefusedError(f"Step '{step.name}': {error}") from error
             model = result.model
             if not result.modified:
+                log.debug("step '%s': unchanged", step.name)
                 continue
             self.changed.append(step.name)
+            log.info("step '%s': changed the graph; proof: %s", step.name, step.proof.label)
             if step.proof is IdenticalOutputs:
                 reference = self._reference()
                 proto = ir.to_proto(model)
@@ -211,6 +223,9 @@ class Pipeline:
         the exporter's own checks of what the runtime made of the file.
         """
         rules = list(rules)
+        log.info("proving the file: onnx.checker (full), opset %d, symbolic axes %s, %d rules, ONNX Runtime's "
+                 "default level at %d sizes", opset, describe(self.axes) if self.axes else "none", len(rules),
+                 len(self.sizes()))
         on_file = [s.name for s in self._applied if s.proof is OnFile and s.name in self.changed]
         if on_file and not rules:
             raise AssertionError(f"The steps {on_file} are proven by the written file's rules, but none were given.")

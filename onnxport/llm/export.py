@@ -19,9 +19,10 @@ import numpy as np
 import onnx
 import torch
 
-from .._io import check_output_path, staged_output, write_bytes_atomic
+from .._io import check_output_path, write_bytes_atomic
 from .._torch import eval_mode
 from ..compare import CosineAtLeast, Report, RunResults, ScaledAllclose, compare_runs
+from ..engine import validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning, check_choice
 from .generate import METADATA_KEY, decode, ort_step
 from .model import (
@@ -284,21 +285,18 @@ def export_decoder(
     lowest = WEIGHT_ONLY_OPSET if precision in ("int4", "int8") else DEFAULT_OPSET
     if opset_version is None:
         opset_version = ORT_CPU_OPSET if flavour == "ort-cpu" else lowest
-    import onnx
-
-    newest = onnx.defs.onnx_opset_version()
-    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not lowest <= opset_version <= newest:
-        raise InvalidArgumentError(
-            f"opset_version must be an integer from {lowest} to {newest} for precision={precision!r}, not "
-            f"{opset_version!r}" + (" (int4 and blocked scales are new in opset 21)." if lowest > DEFAULT_OPSET else ".")
-        )
+    opset_version = validate_opset(
+        opset_version, lowest=lowest,
+        why=f"precision={precision!r} is written at opset {lowest} or later"
+        + (" (int4 and blocked scales are new in opset 21)." if lowest > DEFAULT_OPSET else ".")
+    )
     file, folder = _output(output_path)
     model = load_causal_lm(model_or_folder)
     shape = decoder_shape(model)
     model_name = type(model).__name__
     source_folder = Path(model_or_folder) if isinstance(model_or_folder, (str, os.PathLike)) else None
 
-    with tqdm(total=6, desc="export_decoder", leave=False, disable=None) as bar:
+    with tqdm(total=3, desc="export_decoder (model and reference)", leave=False, disable=None) as bar:
         weights: list = []
         reference_model = model
         export_model = model
@@ -337,7 +335,7 @@ def export_decoder(
         job = _Job(export_model, shape, sample, tokens, reference_logits, weights, precision, flavour,
                    group_size, opset_version, model_name)
         try:
-            result = _write(job, file, bar, attention=True)
+            result = _write(job, file, attention=True)
         except _RuntimeRefused as error:
             if flavour != "ort-cpu":
                 raise
@@ -348,7 +346,7 @@ def export_decoder(
                 PerformanceWarning,
                 stacklevel=2,
             )
-            result = _write(job, file, bar, attention=False)
+            result = _write(job, file, attention=False)
         if folder is not None:
             result.genai_config = _write_folder_extras(folder, file, shape, source_folder)
         bar.update()
@@ -451,12 +449,13 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     return steps
 
 
-def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
+def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     """Capture, rewrite, write and prove the decoder file at ``file`` (complete or not at all)."""
     from .._export_torch import torch_program
+    from ..engine import ExportPlan, run_plan
     from ..passes.ort_fusions import OrtFusionPass, fused_ops
     from ..passes.ort_quantize import SetMetadataPass
-    from ..pipeline import Pipeline, Step, Structural
+    from ..pipeline import Step, Structural
 
     shape, weights = job.shape, job.weights
     axes = _axes(shape)
@@ -468,72 +467,73 @@ def _write(job: _Job, file: Path, bar: Any, *, attention: bool) -> DecoderFile:
     step_mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
     decode_feeds = _feeds(shape, job.tokens[:, prompt.shape[1]:prompt.shape[1] + 1], step_mask, step_past)
     fusion = OrtFusionPass(attention=attention)
-    with staged_output(file) as staged:
-        # the runs every step's proof makes: a prompt with an empty past, and one decode step
-        pipeline = Pipeline(prefill, scratch=staged.parent, axes=axes, samples=[prefill, decode_feeds])
+    result = DecoderFile(file, job.precision, job.flavour, shape)
+
+    def capture() -> Any:
         with eval_mode(job.export_model), cached_forward(job.export_model, shape), \
                 _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET):
             # torch.export takes every traced size to be at least 2, so the mask (past and new
             # tokens together) at least 4; saying so up front saves a refused capture
-            graph = torch_program(job.export_model, job.sample, opset_version=job.opset_version,
-                                  input_names=shape.input_names, output_names=shape.output_names, axes=axes,
-                                  ranges={"total_sequence": (4, None)}).model
+            return torch_program(job.export_model, job.sample, opset_version=job.opset_version,
+                                 input_names=shape.input_names, output_names=shape.output_names, axes=axes,
+                                 ranges={"total_sequence": (4, None)}).model
+
+    steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None,
+                          contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET)
+    record = {**shape.__dict__, "precision": job.precision, "flavour": job.flavour,
+              "group_size": job.group_size if weights else None}
+    steps.append(Step("record the decoder", SetMetadataPass({METADATA_KEY: json.dumps(record)}), Structural))
+
+    def read_fusions(graph: Any) -> None:
+        result.fusions = dict(sorted(fused_ops(graph).items()))
+
+    def integers(path: Path) -> None:
+        from ..qdq.weight_only import check_weights_faithful
+
+        check_weights_faithful(path, weights)
+
+    def decoding(path: Path) -> None:
+        strategy = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights or job.precision == "fp16" else FP32_TOLERANCE
+        got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
+        result.agreement = _compare(got, job.reference_logits, strategy, "unoptimised")
+        if not result.agreement:
+            raise ExportRefusedError(
+                f"The decoder file does not compute what {job.model_name} computes "
+                f"({strategy.describe()}):\n{result.agreement}\nNothing was kept."
+            )
+        got, result.token_agreement = _file_decoding(path, shape, job.tokens, optimized=True)
+        result.deployed = _compare(got, job.reference_logits, strategy, "default level")
+        if not result.deployed:
+            warnings.warn(
+                f"At ONNX Runtime's default level the decoder's logits agree with the model to "
+                f"{min(r.cosine_similarity for r in result.deployed.outputs):.6f} (cosine)"
+                + (": its MatMulNBits computes with int8 activations there (accuracy level 4); set the "
+                   "session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations."
+                   if weights else "."),
+                RuntimePrecisionWarning,
+                stacklevel=6,
+            )
+
+    def as_deployed(outputs: list, optimised: Path) -> None:
+        from ..qdq.weight_only import _warn_unfused
+
+        graph = onnx.load_model(str(optimised), load_external_data=False)
+        result.runtime_fusions = dict(Counter(n.op_type for n in graph.graph.node if n.domain == "com.microsoft"))
+        _warn_unfused(graph, weights)
+
+    plan = ExportPlan(
+        "export_decoder", job.opset_version, prefill, capture, steps, axes=axes,
+        # the runs every step's proof makes: a prompt with an empty past, and one decode step
+        samples=[prefill, decode_feeds],
         # no step is proven by identical outputs (the decoding proof on the file covers them all),
-        # so no copy of the graph as produced is kept: at LLM sizes it would cost the weights again
-        pipeline.start(graph, keep_reference=False)
-        bar.update()
-        steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None,
-                              contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET)
-        record = {**shape.__dict__, "precision": job.precision, "flavour": job.flavour,
-                  "group_size": job.group_size if weights else None}
-        steps.append(Step("record the decoder", SetMetadataPass({METADATA_KEY: json.dumps(record)}), Structural))
-        graph = pipeline.apply(graph, steps)
-        bar.update()
-        fusions = dict(sorted(fused_ops(graph).items()))
-        pipeline.write(graph, staged)
-        del graph
-        result = DecoderFile(staged, job.precision, job.flavour, shape, fusions=fusions)
-
-        def integers(path: Path) -> None:
-            from ..qdq.weight_only import check_weights_faithful
-
-            check_weights_faithful(path, weights)
-
-        def decoding(path: Path) -> None:
-            strategy = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights or job.precision == "fp16" else FP32_TOLERANCE
-            got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
-            result.agreement = _compare(got, job.reference_logits, strategy, "unoptimised")
-            if not result.agreement:
-                raise ExportRefusedError(
-                    f"The decoder file does not compute what {job.model_name} computes "
-                    f"({strategy.describe()}):\n{result.agreement}\nNothing was kept."
-                )
-            got, result.token_agreement = _file_decoding(path, shape, job.tokens, optimized=True)
-            result.deployed = _compare(got, job.reference_logits, strategy, "default level")
-            if not result.deployed:
-                warnings.warn(
-                    f"At ONNX Runtime's default level the decoder's logits agree with the model to "
-                    f"{min(r.cosine_similarity for r in result.deployed.outputs):.6f} (cosine)"
-                    + (": its MatMulNBits computes with int8 activations there (accuracy level 4); set the "
-                       "session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations."
-                       if weights else "."),
-                    RuntimePrecisionWarning,
-                    stacklevel=5,
-                )
-
-        def as_deployed(outputs: list, optimised: Path) -> None:
-            from ..qdq.weight_only import _warn_unfused
-
-            graph = onnx.load_model(str(optimised), load_external_data=False)
-            result.runtime_fusions = dict(Counter(n.op_type for n in graph.graph.node if n.domain == "com.microsoft"))
-            _warn_unfused(graph, weights)
-
-        rules = ([integers] if weights else []) + [decoding]
+        # so no copy of the graph as captured is kept: at LLM sizes it would cost the weights again
+        keep_reference=False, before_write=read_fusions,
+        rules=([integers] if weights else []) + [decoding],
         # int4/int8: what ONNX Runtime made of the file (its MatMulNBits), read from its optimised
         # graph; an fp32 file's would be a copy of every weight on disk, for nothing to count
-        pipeline.prove_file(staged, opset=job.opset_version, rules=rules, on_default_run=as_deployed if weights else None)
-        bar.update()
-    result.path = file
+        on_default_run=as_deployed if weights else None,
+    )
+    run_plan(plan, file)
     return result
 
 

@@ -7,10 +7,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from .._axes import BATCH, captured_axes, resolve_axes
-from .._io import check_output_path, staged_output
+from .._io import check_output_path
+from ..engine import ExportPlan, run_plan, validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.bias_skip_norm import BiasSkipLayerNormPass
 from ..passes.contrib_gelu import BiasFastGeluPass, BiasGeluPass, DequantizedGeluPass
@@ -26,7 +28,7 @@ from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
-from ..pipeline import IdenticalOutputs, LastBit, Pipeline, Step, Structural
+from ..pipeline import IdenticalOutputs, LastBit, Step, Structural
 from ..targets import ExportDefaults, get_target
 from .checks import (
     activation_zero_points,
@@ -151,7 +153,6 @@ def export_qdq(
     from .._export_torch import check_names, torch_program
     from .._inputs import bind_sample
     from .._torch import eval_mode, require_module
-    from ..export import _validate_opset
     from ..quantize.spec import quant_spec
     from .translation import translation_table
 
@@ -172,7 +173,7 @@ def export_qdq(
     defaults = get_target(preset).defaults
     default_opset = defaults.opset_for(spec.activation_bits if spec is not None else None)
     activation_dtype = defaults.activation_dtype if activation_dtype is None else activation_dtype
-    opset_version = _validate_opset(default_opset if opset_version is None else opset_version)
+    opset_version = validate_opset(default_opset if opset_version is None else opset_version)
     _preconditions(model, spec, activation_dtype, dynamic_batch)
     expected = model_qparams(model)
     n_outputs = _count_outputs(model, inputs)
@@ -182,26 +183,21 @@ def export_qdq(
     _check_captured_axes(model, axes, in_names)
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
 
-    from tqdm.auto import tqdm
-
-    with staged_output(target) as staged, tqdm(total=4, desc="export_qdq", leave=False, disable=None) as bar:
-        pipeline = Pipeline(feeds, scratch=staged.parent, axes=axes)
+    def capture() -> ir.Model:
         with eval_mode(model):
-            graph = torch_program(
+            return torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
                 axes=axes, custom_translation_table=translation_table(),
             ).model
-        pipeline.start(graph, proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)])
-        bar.update()
-        graph = pipeline.apply(graph, qdq_steps(opset_version, activation_dtype, defaults))
-        if spec is not None:  # the record check_target reads: which weight rule the file follows
-            graph.metadata_props[WEIGHT_RANGE_KEY] = spec.weight_range
-        bar.update()
-        pipeline.write(graph, staged)
-        bar.update()
-        pipeline.prove_file(staged, opset=opset_version,
-                            rules=_record_rules(spec, preset))
-        bar.update()
+
+    plan = ExportPlan(
+        "export_qdq", opset_version, feeds, capture, qdq_steps(opset_version, activation_dtype, defaults), axes=axes,
+        captured_proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)],
+        # the record check_target reads: which weight rule the file follows
+        metadata={WEIGHT_RANGE_KEY: spec.weight_range} if spec is not None else {},
+        rules=_record_rules(spec, preset),
+    )
+    run_plan(plan, target)
     return target
 
 
@@ -282,7 +278,6 @@ def _export_weight_only_checked(
     """The weight-only path of :func:`export_qdq`: validate everything, then export, write, check."""
     from .._export_torch import check_names
     from .._inputs import forward_aliases, positional_forward
-    from ..export import _validate_opset
 
     precision = spec.describe() if spec is not None else "torchao weight-only"
     if activation_dtype is not None:
@@ -290,7 +285,7 @@ def _export_weight_only_checked(
             f"activation_dtype={activation_dtype!r} was given, but this model ({precision}) quantizes weights only: "
             f"its activations stay float and have no Q/DQ pairs. Drop activation_dtype."
         )
-    opset_version = _validate_opset(WEIGHT_ONLY_OPSET if opset_version is None else opset_version)
+    opset_version = validate_opset(WEIGHT_ONLY_OPSET if opset_version is None else opset_version)
     if opset_version < WEIGHT_ONLY_OPSET:
         kinds = sorted({f"int{w.bits}" for w in weights}) or ["int4/int8"]
         raise InvalidArgumentError(
@@ -307,13 +302,10 @@ def _export_weight_only_checked(
     axes = resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=in_names, inputs=inputs,
                         aliases=forward_aliases(model, in_names, keywords))
 
-    from tqdm.auto import tqdm
-
-    with staged_output(target) as staged, tqdm(total=5, desc="export_qdq (weight-only)", leave=False, disable=None) as bar, \
-            positional_forward(model, keywords):
+    with positional_forward(model, keywords):
         export_weight_only(
-            model, inputs, staged, weights=weights, opset_version=opset_version, in_names=in_names,
-            out_names=None if output_names is None else list(output_names), axes=axes, bar=bar,
+            model, inputs, target, weights=weights, opset_version=opset_version, in_names=in_names,
+            out_names=None if output_names is None else list(output_names), axes=axes,
         )
     return target
 

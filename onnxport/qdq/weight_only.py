@@ -425,60 +425,51 @@ def weight_only_steps(weights: list[QuantizedWeight]) -> list[Any]:
 def export_weight_only(
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
-    staged: Path,
+    target: Path,
     *,
     weights: list[QuantizedWeight],
     opset_version: int,
     in_names: list[str],
     out_names: list[str] | None,
     axes: dict,
-    bar: Any,
 ) -> None:
-    """Export a weight-only model into ``staged`` through the Pipeline: its steps, one write, and
-    the file proven by the rules below (the integers, the agreement, what ORT fuses)."""
+    """Write a weight-only model to ``target`` through the engine: its steps, one write, and the
+    file proven by the rules below (the integers, the agreement, what ORT fuses)."""
     from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
     from .._inputs import flatten_outputs
     from .._torch import eval_mode
-    from ..pipeline import Pipeline
+    from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
 
     with eval_mode(model), torch.no_grad():
         reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*inputs))]
     out_names = check_names(out_names, len(reference), "output_names", "output")
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
-    pipeline = Pipeline(feeds, scratch=staged.parent, axes=axes)
     references = [reference]
     if axes:  # the promise of every symbolic axis: the file agrees at a second size too
         grown = second_size(feeds, axes)
         with eval_mode(model), torch.no_grad():
             references.append([t.detach().cpu().numpy() for t in flatten_outputs(model(*(torch.from_numpy(v) for v in grown.values())))])
-    stand_ins = _export_copy(model, weights)
-    bar.update()
-    with eval_mode(stand_ins):
-        program = torch_program(
-            stand_ins, inputs, opset_version=max(opset_version, EXPORTER_MIN_OPSET), input_names=in_names,
-            output_names=out_names, axes=axes,
-        )
-    del stand_ins
-    onnx_model = program.model
-    del program
-    onnx_model = pipeline.apply(onnx_model, weight_only_steps(weights))
-    bar.update()
-    pipeline.write(onnx_model, staged)
-    del onnx_model
-    release_freed_memory()
+
+    def capture() -> ir.Model:
+        stand_ins = _export_copy(model, weights)
+        with eval_mode(stand_ins):
+            return torch_program(
+                stand_ins, inputs, opset_version=max(opset_version, EXPORTER_MIN_OPSET), input_names=in_names,
+                output_names=out_names, axes=axes,
+            ).model
 
     def integers(path: Path) -> None:
         check_weights_faithful(path, weights)
 
     def agreement(path: Path) -> None:
+        release_freed_memory()
         session = make_session(path, optimized=False)
         sizes = ["", f", one longer on every symbolic axis ({describe(axes)})"]
-        for feed, expected, size in zip(pipeline.sizes(), references, sizes):
+        for feed, expected, size in zip(plan.sizes(), references, sizes):
             check_agreement(session.run(None, dict(feed)), expected, out_names, f"At ONNX Runtime's unoptimised level{size}")
         del session
         release_freed_memory()
-        bar.update()
 
     def as_deployed(outputs: list[list[np.ndarray]], optimised: Path) -> None:
         default_cosines = [cosine(a, b) for a, b in zip(outputs[0], reference) if np.issubdtype(b.dtype, np.floating)]
@@ -490,12 +481,16 @@ def export_weight_only(
                 f"{min(default_cosines):.6f}: ORT's MatMulNBits computes with int8 activations there. Set the "
                 f"session option 'session.qdq_matmulnbits_accuracy_level' to '0' for float activations.",
                 RuntimePrecisionWarning,
-                stacklevel=6,
+                stacklevel=7,
             )
         _warn_unfused(onnx.load_model(str(optimised), load_external_data=False), weights)
 
-    pipeline.prove_file(staged, opset=opset_version, rules=[integers, agreement], on_default_run=as_deployed)
-    bar.update()
+    plan = ExportPlan(
+        "export_qdq (weight-only)", opset_version, feeds, capture, weight_only_steps(weights), axes=axes,
+        # no step is proven by identical outputs: a copy of the graph as captured would cost its weights
+        keep_reference=False, rules=[integers, agreement], on_default_run=as_deployed,
+    )
+    run_plan(plan, target)
 
 
 def _warn_unfused(optimised: onnx.ModelProto, weights: list[QuantizedWeight]) -> None:

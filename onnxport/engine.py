@@ -1,0 +1,179 @@
+"""The export engine: every exporter is an :class:`ExportPlan`, and :func:`run_plan` is the one
+function that runs one — the only code in onnxport that stages an output file or builds a
+:class:`~onnxport.pipeline.Pipeline`.
+
+A plan declares what an export is: the sample feeds and symbolic axes every proof runs at, how the
+graph is captured, the steps (each an ``onnx_ir`` pass with its typed proof), the checks on the
+graph as captured, the file's rules and the opset it must declare. :func:`run_plan` then does
+what every export does the same way: it stages the output beside its target, captures, runs the
+steps one at a time (the reference outputs computed once, when the first identical-outputs step
+needs them), writes the file once, proves it as the user will read it and only then moves it into
+place — or leaves the target exactly as it was. Progress is counted from the steps, and each step
+and proof is logged on ``logging.getLogger("onnxport")`` (the CLI's ``-v`` shows them).
+
+:func:`save_model` is the same atomic write for a model that is already built (the encodings
+converter's output).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from ._axes import Axes
+from ._io import check_output_path, staged_output
+from ._ir import write_model
+from .errors import InvalidArgumentError
+from .pipeline import Pipeline, Step, sizes_of
+
+log = logging.getLogger("onnxport")
+
+#: The oldest default-domain opset any exporter writes: onnxport lowers the exporter's graph
+#: exactly down to it at most.
+MIN_OPSET = 13
+
+
+def validate_opset(opset_version: Any, *, lowest: int = MIN_OPSET, why: str = "") -> int:
+    """``opset_version`` as an int, or an :class:`InvalidArgumentError` naming the range the
+    exporter accepts (``lowest`` up to the newest opset the installed onnx knows) and ``why``."""
+    newest = onnx.defs.onnx_opset_version()
+    if isinstance(opset_version, bool) or not isinstance(opset_version, int) or not lowest <= opset_version <= newest:
+        reason = why or (
+            f"the exporter writes opset 18 or later, and onnxport lowers it exactly down to {MIN_OPSET} at most."
+        )
+        raise InvalidArgumentError(
+            f"opset_version must be an integer from {lowest} to {newest}, not {opset_version!r}: {reason}"
+        )
+    return opset_version
+
+
+@dataclass
+class ExportPlan:
+    """What one export writes and how each of its promises is proven.
+
+    Args:
+        name: the exporter's name, shown on the progress bar and in the log.
+        opset: the default-domain opset the file must declare.
+        feeds: the sample, by graph input name, that every proof run uses.
+        capture: produces the graph (``torch.onnx`` on the model, usually); called once, inside
+            the stage.
+        steps: the graph steps in order, or a function of the stage's scratch folder that returns
+            them (for a step that needs somewhere to put files).
+        axes: the symbolic axes the file promises: every run is made at two sizes of each.
+        samples: the feeds of every run instead, when the axes are tied to each other.
+        captured_proofs: checks of the graph as captured (its Q/DQ pairs are the model's, …).
+        keep_reference: keep a copy of the captured graph for identical-outputs steps (a plan
+            with none saves the weights' size in memory with ``False``).
+        rules: the written file's own checks, run before ONNX Runtime's default-level runs.
+        on_default_run: given those runs' outputs and ONNX Runtime's optimised graph.
+        before_write: reads the final graph before it is written (what was fused, …).
+        metadata: ``metadata_props`` the file carries.
+        external_data: ``None`` decides by size; ``True``/``False`` force it.
+    """
+
+    name: str
+    opset: int
+    feeds: Mapping[str, np.ndarray]
+    capture: Callable[[], ir.Model]
+    steps: Sequence[Step] | Callable[[Path], Sequence[Step]]
+    axes: Axes = field(default_factory=dict)
+    samples: Sequence[Mapping[str, np.ndarray]] | None = None
+    captured_proofs: Sequence[Callable[[ir.Model], None]] = ()
+    keep_reference: bool = True
+    rules: Sequence[Callable[[Path], None]] = ()
+    on_default_run: Callable[[list[list[np.ndarray]], Path], None] | None = None
+    before_write: Callable[[ir.Model], None] | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    external_data: bool | None = None
+
+    def sizes(self) -> list[Mapping[str, np.ndarray]]:
+        """The feeds every proof run uses: the sample, and one longer on every symbolic axis
+        (or ``samples``)."""
+        return sizes_of(self.feeds, self.axes, self.samples)
+
+
+@dataclass
+class PlanResult:
+    """What :func:`run_plan` did: the file, the steps that changed the graph, and the ONNX
+    Runtime sessions its proofs opened."""
+
+    path: Path
+    changed: list[str]
+    sessions: int
+    seconds: float
+
+
+def run_plan(plan: ExportPlan, output_path: str | os.PathLike) -> PlanResult:
+    """Run ``plan`` and write its file to ``output_path`` (validated by the caller with
+    :func:`onnxport._io.check_output_path`), or refuse with nothing written."""
+    from tqdm.auto import tqdm
+
+    target = Path(output_path)
+    started = time.perf_counter()
+    with staged_output(target) as staged:
+        steps = list(plan.steps(staged.parent) if callable(plan.steps) else plan.steps)
+        with tqdm(total=len(steps) + 3, desc=plan.name, leave=False, disable=None) as bar:
+            pipeline = Pipeline(plan.feeds, scratch=staged.parent, axes=plan.axes, samples=plan.samples)
+            log.info("%s: capturing the graph", plan.name)
+            graph = plan.capture()
+            log.info("%s: captured %d nodes; checking the graph as captured (%d checks)",
+                     plan.name, len(graph.graph), len(plan.captured_proofs))
+            pipeline.start(graph, plan.captured_proofs, keep_reference=plan.keep_reference)
+            bar.update()
+            for step in steps:
+                graph = pipeline.apply(graph, [step])
+                bar.update()
+            if plan.before_write is not None:
+                plan.before_write(graph)
+            graph.metadata_props.update(plan.metadata)
+            pipeline.write(graph, staged, external_data=plan.external_data)
+            del graph
+            log.info("%s: wrote %s (%.1f MB)", plan.name, target.name, staged.stat().st_size / 1e6)
+            bar.update()
+            pipeline.prove_file(staged, opset=plan.opset, rules=plan.rules, on_default_run=plan.on_default_run)
+            bar.update()
+    seconds = time.perf_counter() - started
+    log.info("%s: %s proven and in place (%d steps changed the graph, %d ONNX Runtime sessions, %.1f s)",
+             plan.name, target, len(pipeline.changed), pipeline.sessions, seconds)
+    return PlanResult(target, list(pipeline.changed), pipeline.sessions, seconds)
+
+
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    check: bool = True,
+) -> Path:
+    """Write ``model`` to ``path`` atomically, with external data when it is over 2 GB.
+
+    Args:
+        model: the model to write; it is not modified.
+        path: the target ``.onnx`` file; a previous file there is replaced only once the new one
+            is complete and (with ``check``) has passed ``onnx.checker``.
+        external_data: ``None`` decides by size; ``True``/``False`` force it.
+        check: run ``onnx.checker`` on the staged file before it replaces the target.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        raise InvalidArgumentError(f"model must be an onnx.ModelProto, not {type(model).__name__}.")
+    target = check_output_path(path, "path")
+    with staged_output(target) as staged:
+        write_model(model, staged, external_data=external_data)
+        if check:
+            try:
+                onnx.checker.check_model(str(staged))
+            except onnx.checker.ValidationError as error:
+                raise InvalidArgumentError(
+                    f"The model fails onnx.checker, so '{target}' was not written: {str(error).splitlines()[0]} "
+                    f"Fix the model, or pass check=False to write it anyway."
+                ) from error
+    return target
