@@ -307,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log each export step and each proof on the written file to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="run every path on a built-in model and data (no downloads)")
@@ -420,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose:
+        _log_to_stderr()
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -438,6 +442,17 @@ def main(argv: list[str] | None = None) -> int:
             message = f"{prefix}{error}"
         print(f"onnxport {args.command}: {message}", file=sys.stderr)
         return code
+
+
+def _log_to_stderr() -> None:
+    """Show onnxport's log (the engine's steps and proofs) on stderr, once per process."""
+    logger = logging.getLogger("onnxport")
+    if not any(getattr(h, "_onnxport_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("onnxport: %(message)s"))
+        handler._onnxport_cli = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def exit_code(error: BaseException) -> int:

@@ -24,6 +24,17 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "usage: onnxport" in result.stdout
 
 
+def test_verbose_logs_each_export_step_and_the_file_proofs(tmp_path):
+    out = tmp_path / "tiny.onnx"
+    quiet = onnxport("export", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out))
+    loud = onnxport("-v", "export", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out))
+    assert quiet.returncode == loud.returncode == 0, loud.stderr
+    assert "onnxport: step 'lower to opset 17': changed the graph; proof: identical outputs" in loud.stderr
+    assert "onnxport: proving the file: onnx.checker (full), opset 17" in loud.stderr
+    assert "proven and in place" in loud.stderr
+    assert "onnxport: step" not in quiet.stderr
+
+
 def test_export_verify_and_static_int8_with_random_calibration(tmp_path):
     out = tmp_path / "tiny.onnx"
     result = onnxport("export", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out))
