@@ -63,8 +63,9 @@ class _Writer:
     def __init__(self, folder: Path, kinds: tuple[str, ...]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.kinds, self.offset, self.inits = folder, kinds, 0, []
-        self.data = open(folder / "model.onnx.data", "wb")
-        self.encodings = {k: open(folder / f"{k}.encodings", "w") for k in kinds}
+        # open for the writer's life, closed by its close(): one entry is written at a time
+        self.data = open(folder / "model.onnx.data", "wb")  # noqa: SIM115
+        self.encodings = {k: open(folder / f"{k}.encodings", "w") for k in kinds}  # noqa: SIM115
         for handle in self.encodings.values():
             handle.write('{"version": "2.0.0", "encodings": [')
         self.first = True

@@ -141,8 +141,8 @@ def run() -> dict:
 
 def report(results: dict) -> str:
     lines = ["compare_layers vs compare_qdq, sensitivity and the budget search (batch 1)",
-             f"  {'model':<10} {'tensors':>7} {'qdq s':>7} {'layers s':>8} {'ratio':>6} {'layers':>6} {'s/layer':>7} "
-             f"{'budget trials':>13} {'budget s':>8} {'float layers':>12}"]
+             (f"  {'model':<10} {'tensors':>7} {'qdq s':>7} {'layers s':>8} {'ratio':>6} {'layers':>6} {'s/layer':>7} "
+             f"{'budget trials':>13} {'budget s':>8} {'float layers':>12}")]
     for name, r in results.items():
         if "skipped" in r:
             lines.append(f"  {name:<10} skipped: {r['skipped']}")

@@ -60,8 +60,8 @@ def report(results: dict) -> str:
     e = results["export_s"]
     lines = [
         "export_qdq — ResNet-18 224x224 (pt2e defaults), ONNX Runtime CPU, median of 30 runs",
-        f"  export time: export_qdq {e['export_qdq']:.1f} s vs bare torch.onnx.export {e['torch.onnx.export']:.1f} s "
-        f"= {e['ratio']:.2f}x",
+        (f"  export time: export_qdq {e['export_qdq']:.1f} s vs bare torch.onnx.export {e['torch.onnx.export']:.1f} s "
+        f"= {e['ratio']:.2f}x"),
         f"  {'file':<20} {'b1 ms':>8} {'b1 ×FP32':>9} {'b8 ms':>8} {'b8 ×FP32':>9} {'QLinearConv/20':>15}",
     ]
     for name, r in results["files"].items():

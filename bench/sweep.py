@@ -237,8 +237,8 @@ def report(results: dict) -> str:
         "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr').",
         f"CPU: {results.get('_isa', 'see results.json')}",
         "",
-        "| model | ours | ORT best (which) | ours / ORT best | cosine as deployed (floor min–max) | INT8 in ORT: ours | ORT best's "
-        "| float or costlier than float in our file (qdq_report) |",
+        ("| model | ours | ORT best (which) | ours / ORT best | cosine as deployed (floor min–max) | INT8 in ORT: ours | ORT best's "
+        "| float or costlier than float in our file (qdq_report) |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     below = []

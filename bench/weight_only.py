@@ -37,12 +37,12 @@ from pathlib import Path
 import numpy as np
 
 SIZES = {
-    "llama h512 L4 (27M)": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                                num_key_value_heads=4, vocab_size=8192),
-    "llama h1024 L4 (100M)": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                                  num_key_value_heads=4, vocab_size=16000),
-    "llama h2048 L2 (0.3B)": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=32,
-                                  num_key_value_heads=4, vocab_size=32000),
+    "llama h512 L4 (27M)": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
+                                "num_key_value_heads": 4, "vocab_size": 8192},
+    "llama h1024 L4 (100M)": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
+                                  "num_key_value_heads": 4, "vocab_size": 16000},
+    "llama h2048 L2 (0.3B)": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 2, "num_attention_heads": 32,
+                                  "num_key_value_heads": 4, "vocab_size": 32000},
 }
 SHAPES = {"prompt 128": 128, "decode 1": 1}
 BLOCK = 32
@@ -210,8 +210,8 @@ def run() -> dict:
 
 def report(results: dict) -> str:
     lines = ["Weight-only INT4 (block 32, symmetric): ours (torchao's integers) vs ORT's MatMulNBitsQuantizer",
-             "| model | input | level | ours ms | ORT ms | ours/ORT | same file twice | fp32 ms | cosine ours | "
-             "cosine ORT | max err ours | max err ORT | size ours/ORT |",
+             ("| model | input | level | ours ms | ORT ms | ours/ORT | same file twice | fp32 ms | cosine ours | "
+             "cosine ORT | max err ours | max err ORT | size ours/ORT |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in results.items():
         if "peak" in entry or "error" in entry:

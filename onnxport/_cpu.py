@@ -86,6 +86,6 @@ def _flags() -> set[str]:
     try:  # other systems: numpy's table (it has no AVX-VNNI or AMX key)
         from numpy._core._multiarray_umath import __cpu_features__ as features
     except ImportError:  # numpy 1.x
-        from numpy.core._multiarray_umath import __cpu_features__ as features
+        from numpy.core._multiarray_umath import __cpu_features__ as features  # type: ignore[no-redef]
     names = {"AVX512VNNI": "avx512_vnni", "AVX512BW": "avx512bw", "AVX2": "avx2"}
     return {flag for key, flag in names.items() if features.get(key)}

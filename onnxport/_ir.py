@@ -172,10 +172,10 @@ def read_model(
             if own or base is not None:
                 folders[tensor.name] = external_folder(tensor, base)
     model = ir.from_proto(proto)
-    for tensor in tensors(model):
-        if isinstance(tensor, ir.ExternalTensor):
-            folder = folders.get(tensor.name)
-            tensor.base_dir = str(folder) if folder is not None else ""
+    for loaded in tensors(model):
+        if isinstance(loaded, ir.ExternalTensor):
+            folder = folders.get(loaded.name)
+            loaded.base_dir = str(folder) if folder is not None else ""
     return model, base
 
 

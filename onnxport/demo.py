@@ -226,13 +226,13 @@ _RUNS = 10
 def summary_table(report: dict[str, Any]) -> str:
     t = report["training"]
     lines = [
-        f"trained DemoNet on {t['images']} drawn images, {t['steps']} steps in {t['seconds']:.1f} s: "
+        (f"trained DemoNet on {t['images']} drawn images, {t['steps']} steps in {t['seconds']:.1f} s: "
         f"test accuracy {t['test_accuracy']:.1%} (pt2e INT8: {report['pt2e']['test_accuracy']:.1%}, "
-        f"top-1 agreement with float {report['pt2e']['top1_vs_float']:.1%})",
+        f"top-1 agreement with float {report['pt2e']['top1_vs_float']:.1%})"),
         "",
         f"{'file':<26} {'KiB':>7} {'Q':>4} {'DQ':>4} {'top-1 vs torch':>15} {'ORT ms':>8} {'× FP32':>7}  notes",
     ]
-    for name, r in report["files"].items():
+    for r in report["files"].values():
         notes = []
         if "verified" in r:
             notes.append(f"verify_onnx {'ok' if r['verified'] else 'FAILED'}")

@@ -188,7 +188,7 @@ class ONNXModel:
 
     def warmup(self, n: int = 3) -> ONNXModel:
         """Run ``n`` times on zeros (free dimensions set to 1) so later timings are steady."""
-        feeds = {}
+        feeds: dict[str, np.ndarray] = {}
         for meta in self._inputs:
             shape = [d if isinstance(d, int) else 1 for d in meta.shape]
             feeds[meta.name] = np.zeros(shape, dtype=_ORT_TO_NUMPY.get(meta.type, np.float32))

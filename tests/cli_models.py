@@ -1,7 +1,7 @@
 """Tiny models the CLI tests load by 'tests.cli_models:NAME'."""
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 def tiny() -> nn.Module:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 # --- ResNet-18 with torchvision's layout (same module names, same topology) -------------------

@@ -66,7 +66,7 @@ def test_runs_saved_and_compared_later_give_the_same_report(exported, tmp_path) 
 
 
 def test_exact_and_per_output_tolerances(exported) -> None:
-    model, path, x = exported
+    _model, path, x = exported
     got = run_onnx(path, x)
     assert bool(compare_runs(got, got, Exact()))
     nudged = RunResults("nudged", {"a": got.outputs["a"], "b": got.outputs["b"] + 1e-3}, got.n_samples)

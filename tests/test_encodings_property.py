@@ -85,5 +85,5 @@ def test_random_encodings_convert_check_run_and_round_trip(case):
         None, {"input": np.random.default_rng(1).standard_normal((K, K)).astype(np.float32)})[0]
     assert np.all(np.isfinite(out))
     back = onnx_qdq_to_encodings(q)
-    key = lambda e: e["name"]  # noqa: E731
+    key = lambda e: e["name"]
     assert sorted(back["encodings"], key=key) == sorted(encodings["encodings"], key=key)

@@ -29,10 +29,10 @@ def _graph() -> ir.Model:
 
 
 def _plan(**changes) -> ExportPlan:
-    fields = dict(
-        name="hand-built", opset=17, feeds={"x": np.ones((2, 4), np.float32)}, capture=_graph,
-        steps=[Step("lower to opset 17", LowerOpsetPass(17), IdenticalOutputs)], axes={"x": {0: "batch"}},
-    )
+    fields = {
+        "name": "hand-built", "opset": 17, "feeds": {"x": np.ones((2, 4), np.float32)}, "capture": _graph,
+        "steps": [Step("lower to opset 17", LowerOpsetPass(17), IdenticalOutputs)], "axes": {"x": {0: "batch"}},
+    }
     fields.update(changes)
     return ExportPlan(**fields)
 

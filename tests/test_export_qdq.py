@@ -6,7 +6,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from onnxport import (
     ONNXModel,
@@ -14,8 +14,8 @@ from onnxport import (
     compare_qdq,
     export_qdq,
     qdq_report,
-    quant_spec,
     qdq_stats,
+    quant_spec,
     verify_qdq,
 )
 from onnxport._checks import run
@@ -161,7 +161,7 @@ def test_native_translation_is_used_and_the_fallback_agrees(resnet_models, tmp_p
 
     assert exporter_translates_pt2e()  # torch 2.13 + onnxscript 0.7 translate pt2e themselves
     q, _ = resnet_models
-    kwargs = dict(opset_version=18, input_names=["input"], output_names=["output"], axes={})
+    kwargs = {"opset_version": 18, "input_names": ["input"], "output_names": ["output"], "axes": {}}
     native = torch_program(q, (SAMPLE,), **kwargs).model_proto
     ours = torch_program(q, (SAMPLE,), custom_translation_table=fallback_table(), **kwargs).model_proto
     feeds = {"input": SAMPLE.numpy()}

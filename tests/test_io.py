@@ -7,10 +7,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxport import save_model
 from onnxport._io import check_output_path, external_data_files, staged_output
 from onnxport._ir import write_model
 from onnxport.errors import InvalidArgumentError
-from onnxport import save_model
 from tests.conftest import listing
 
 

@@ -118,7 +118,7 @@ def test_openvino_adds_a_residual_into_its_conv_unrounded_so_the_conv_output_sta
     calibration = [torch.randn(4, 3, 16, 16) for _ in range(4)]
     quantized = Quantizer(target="openvino").quantize(model, calibration)
     adds = [n for n in quantized.graph.nodes if n.target == torch.ops.aten.add.Tensor]
-    dequantized = lambda node: "dequantize" in str(node.target)  # noqa: E731
+    dequantized = lambda node: "dequantize" in str(node.target)
     assert len(adds) == 2
     # the identity block: the conv's output reaches the Add float, the shortcut through its pair
     assert [dequantized(a) for a in adds[0].args] == [False, True]

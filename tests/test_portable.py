@@ -14,9 +14,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from onnx import numpy_helper
+from torch import nn
 
 from onnxport import (
     Quantizer,

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-from onnxport import QuantSpec, Quantizer, precision_table, quant_spec
-from onnxport.errors import ExportRefusedError, InvalidArgumentError, OnnxportError
+from onnxport import Quantizer, QuantSpec, precision_table, quant_spec
+from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.quantize.calibration import read_calibration
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer, TwoInTwoOut
 
@@ -320,8 +321,8 @@ def test_record_contents_survive_deepcopy_and_pickle(q_resnet):
     assert quant_spec(restored) == spec
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(restored(x), q_resnet(x))
-    with pytest.raises(Exception):
-        spec.weight_bits = 4  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.weight_bits = 4
     assert quant_spec(nn.Linear(2, 2)) is None
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import torch.nn as nn
 import transformers  # a test dependency: missing, the suite must fail, not skip
+from torch import nn
 
 from onnxport import (
     Quantizer,

@@ -78,8 +78,7 @@ def resolve(
             raise _fail(entry, info, f"axis {entry.axis} is outside the tensor's {rank} dimensions.")
         entry = entry.with_(axis=axis)
         per_channel = entry.scale if entry.scale is not None else entry.meta.x
-        if entry.block_size is None and per_channel.ndim == 1:
-            if dims[axis] != per_channel.size:
+        if entry.block_size is None and per_channel.ndim == 1 and dims[axis] != per_channel.size:
                 raise _fail(entry, info, f"axis {axis} has {dims[axis]} channels but the encoding holds "
                                          f"{per_channel.size} scales (field 'axis').")
         if entry.block_size is not None:

@@ -105,7 +105,7 @@ def _inferred(proto: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...] | None,
     """(static dims or None, element type) of the values onnx's shape inference can tell."""
     try:
         graph = onnx.shape_inference.infer_shapes(proto, strict_mode=False).graph
-    except Exception:  # shape inference is a help for checks, never a requirement
+    except Exception:  # noqa: BLE001 -- shape inference is a help for checks, never a requirement
         return {}
     found = {}
     for value in [*graph.value_info, *graph.input, *graph.output]:
@@ -428,11 +428,12 @@ class _SetAside:
     moves as its outline). The file's pages are the kernel's cache, not this process's memory."""
 
     def __init__(self) -> None:
-        self.file = tempfile.TemporaryFile(prefix="onnxport-encodings-")
+        # held for the conversion's length and closed by __exit__: the class is the context manager
+        self.file = tempfile.TemporaryFile(prefix="onnxport-encodings-")  # noqa: SIM115
         self.where: dict[str, dict[str, tuple[int, np.dtype, tuple[int, ...]]]] = {}
         self.moves: dict[str, list[Move]] = {}  # filled by the derivation
 
-    def __enter__(self) -> _SetAside:
+    def __enter__(self) -> _SetAside:  # noqa: PYI034 -- a private class with no subclasses
         return self
 
     def __exit__(self, *exc: object) -> None:

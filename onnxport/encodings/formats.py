@@ -69,7 +69,7 @@ def is_integer(dtype: str) -> bool:
 
 
 def signed_twin(dtype: str) -> str:
-    return dtype[1:] if dtype.startswith("u") else dtype
+    return dtype.removeprefix("u")
 
 
 def unsigned_twin(dtype: str) -> str:
@@ -249,7 +249,7 @@ def _section(data: dict | StreamedEncodings, key: str, kind: type, missing: Any)
     value = data.get(key, missing)
     if not isinstance(value, kind):
         return type(value), ()
-    return kind, value.items() if kind is dict else value
+    return kind, value.items() if kind is dict else value  # type: ignore[attr-defined]  # isinstance(value, kind) holds
 
 
 _FLOAT32 = np.finfo(np.float32)

@@ -394,7 +394,7 @@ def _own_tensors(module: torch.nn.Module) -> None:
                     continue  # torchao's quantized weights are tensor subclasses: already their own
                 if id(tensor) not in copies:
                     copies[id(tensor)] = wrap(tensor.detach().clone())
-                table[name] = copies[id(tensor)]
+                table[name] = copies[id(tensor)]  # type: ignore[assignment]  # a buffer table holds plain tensors
 
 
 class _RuntimeRefused(ExportRefusedError):

@@ -65,7 +65,7 @@ def decoder_shape(model: torch.nn.Module) -> DecoderShape:
     """The cache shape the exporter promises, from ``model.config`` (checked against a real
     forward by :func:`check_cache`)."""
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # type: ignore[operator]  # a call_function node's target
     heads, hidden = _first(text, "num_attention_heads", "n_head"), _first(text, "hidden_size", "n_embd")
     layers = _first(text, "num_hidden_layers", "n_layer")
     if heads is None or hidden is None or layers is None:
@@ -132,7 +132,7 @@ def load_causal_lm(model_or_folder: Any, argument: str = "model_or_folder") -> t
             f"exports transformers causal LMs (AutoModelForCausalLM); use export_onnx for other modules."
         )
     _check_causal_config(config, f"{type(model_or_folder).__name__}")
-    if model_or_folder.get_output_embeddings() is None:
+    if model_or_folder.get_output_embeddings() is None:  # type: ignore[operator]  # transformers' configs are untyped here
         raise InvalidArgumentError(
             f"{type(model_or_folder).__name__} has no language-model head (get_output_embeddings() is None), "
             f"so it gives no logits to generate from; load it with AutoModelForCausalLM."
@@ -221,7 +221,7 @@ def check_cache(model: torch.nn.Module, shape: DecoderShape, sample: tuple[torch
     past = sample[3].shape[2]
     try:
         with torch.no_grad():
-            outputs = cached_call(model, shape.layers, *sample[:3], tuple(sample[3:]))
+            outputs = cached_call(model, shape.layers, *sample[:3], tuple(sample[3:]))  # type: ignore[call-arg]  # the sample is (ids, mask, positions, *past)
     except ExportRefusedError as error:
         raise ExportRefusedError(
             f"{type(model).__name__}'s attention cannot be exported with a key/value cache: {error}; "

@@ -143,7 +143,7 @@ class BiasGeluPass(_BiasIntoGelu):
     """
 
     OP, BIAS_NAME = "BiasGelu", "bias_gelu.bias"
-    match = staticmethod(_ordered_gelu)
+    match = staticmethod(_ordered_gelu)  # type: ignore[assignment]  # same signature, its own parameter name
 
 
 def _tanh_gelu(pow_: ir.Node) -> list[ir.Node] | None:
@@ -184,4 +184,4 @@ class BiasFastGeluPass(_BiasIntoGelu):
     """
 
     OP, BIAS_NAME = "FastGelu", "fast_gelu.bias"
-    match = staticmethod(_tanh_gelu)
+    match = staticmethod(_tanh_gelu)  # type: ignore[assignment]  # same signature, its own parameter name

@@ -36,11 +36,11 @@ def _spatial_pads(pad: ir.Node, rank: int) -> list[int] | None:
     mode = pad.attributes.get("mode")
     if mode is not None and mode.as_string() != "constant":
         return None
-    amounts = const_array(pad.inputs[1]) if len(pad.inputs) > 1 else None
+    found = const_array(pad.inputs[1]) if len(pad.inputs) > 1 else None
     fill = const_array(pad.inputs[2]) if len(pad.inputs) > 2 and pad.inputs[2] is not None else None
-    if amounts is None or (fill is not None and np.any(fill != 0)) or (len(pad.inputs) > 3 and pad.inputs[3] is not None):
+    if found is None or (fill is not None and np.any(fill != 0)) or (len(pad.inputs) > 3 and pad.inputs[3] is not None):
         return None
-    amounts = [int(v) for v in amounts.reshape(-1)]
+    amounts = [int(v) for v in found.reshape(-1)]
     if len(amounts) != 2 * rank or any(v < 0 for v in amounts):
         return None
     begins, ends = amounts[:rank], amounts[rank:]

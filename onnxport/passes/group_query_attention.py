@@ -159,7 +159,7 @@ class GroupQueryAttentionPass(ir.passes.InPlacePass):
         merged, target = reshape.outputs[0], reshape.inputs[1]
         rank = merged.shape.rank() if merged.shape is not None else None
         if rank is None and target is not None and target.shape is not None and target.shape.is_static():
-            rank = target.shape[0] if target.shape.rank() == 1 else None
+            rank = target.shape[0] if target.shape.rank() == 1 else None  # type: ignore[assignment]  # is_static() holds
         return merged if rank == 3 else None
 
     @staticmethod

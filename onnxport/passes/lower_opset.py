@@ -161,11 +161,11 @@ class LowerOpsetPass(ir.passes.InPlacePass):
         lowering does not write.
         """
         inputs = [*node.inputs, None, None]
-        image, block = const_array(inputs[1]), const_array(inputs[2])
-        if image is None or block is None:
+        image_array, block_array = const_array(inputs[1]), const_array(inputs[2])
+        if image_array is None or block_array is None:
             raise self.refuse(node, "takes its image or block shape from a tensor computed while the graph runs, "
                                     "which the older opset cannot say")
-        image, block = [int(v) for v in image.reshape(-1)], [int(v) for v in block.reshape(-1)]
+        image, block = [int(v) for v in image_array.reshape(-1)], [int(v) for v in block_array.reshape(-1)]
         rank = len(block)
         strides = list(_attr(node, "strides") or [1] * rank)
         pads = list(_attr(node, "pads") or [0] * 2 * rank)

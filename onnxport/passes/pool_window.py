@@ -31,9 +31,10 @@ def _oversized_window(node: ir.Node) -> list[int] | None:
     x, y = node.inputs[0], node.outputs[0]
     if x is None or x.shape is None or y.shape is None or len(x.shape) < 3 or len(x.shape) != len(y.shape):
         return None
-    spatial_in, spatial_out = list(x.shape)[2:], list(y.shape)[2:]
-    if not all(isinstance(d, int) for d in spatial_in) or any(d != 1 for d in spatial_out):
+    dims, spatial_out = list(x.shape)[2:], list(y.shape)[2:]
+    if not all(isinstance(d, int) for d in dims) or any(d != 1 for d in spatial_out):
         return None
+    spatial_in = [int(d) for d in dims]
     kernel = _ints(node, "kernel_shape")
     pads = _ints(node, "pads") or [0] * (2 * len(spatial_in))
     dilations = _ints(node, "dilations") or [1] * len(spatial_in)

@@ -81,7 +81,7 @@ def qdq_stats(onnx_path: str | os.PathLike | onnx.ModelProto) -> QDQStats:
 
 
 def _stats(model: ir.Model, nodes: list[QDQNode] | None = None) -> QDQStats:
-    counts = Counter()
+    counts: Counter[str] = Counter()
     nodes = qdq_nodes(model) if nodes is None else nodes
     for q in nodes:
         counts["q" if q.op_type == "QuantizeLinear" else "dq"] += 1
@@ -148,8 +148,8 @@ class QDQReport:
                 + (f", {self.stats.n_blocked} blocked" if self.stats.n_blocked else "")
                 + (f", {self.stats.n_int4} int4" if self.stats.n_int4 else "") + ")"
             ),
-            f"zero-point types: {', '.join(f'{k} x{v}' for k, v in sorted(self.zero_point_dtypes.items())) or 'none'}; "
-            f"non-zero zero-points: {self.stats.n_nonzero_zero_point}",
+            (f"zero-point types: {', '.join(f'{k} x{v}' for k, v in sorted(self.zero_point_dtypes.items())) or 'none'}; "
+            f"non-zero zero-points: {self.stats.n_nonzero_zero_point}"),
             f"compute ops between Q/DQ pairs: {quantized} of {len(self.compute_ops)}",
         ]
         by_type = Counter(op.op_type for op in self.compute_ops if op.quantized)

@@ -128,7 +128,7 @@ def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
                 f"'{name}' is a quantized {type(module).__name__}; export_qdq writes weight-only Linear and "
                 f"Embedding layers only."
             )
-        bits = {torch.int4: 4, torch.int8: 8}.get(data.target_dtype)
+        bits = {torch.int4: 4, torch.int8: 8}.get(data.target_dtype)  # type: ignore[attr-defined]  # torch's stubs lack int4
         if bits is None:
             raise InvalidArgumentError(
                 f"'{name}' stores {data.target_dtype} weights; ONNX DequantizeLinear reads int4 and int8 (use those)."
@@ -185,6 +185,7 @@ def _export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torc
         parent_name, _, leaf = w.module.rpartition(".")
         parent = work.get_submodule(parent_name) if parent_name else work
         layer = getattr(parent, leaf)
+        stand_in: torch.nn.Module
         if w.kind == "linear":
             stand_in = _MatMulStandIn(layer.in_features, layer.out_features, layer.bias)
         else:
@@ -202,6 +203,7 @@ def _pack_int4(values: np.ndarray) -> np.ndarray:
 
 
 def _constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType | None = None) -> ir.Value:
+    tensor: ir.TensorProtocol
     if dtype == ir.DataType.INT4:
         # Packed now: held one value per byte until saving, an LLM's weights would cost twice.
         tensor = ir.PackedTensor(_pack_int4(array), dtype, shape=ir.Shape(array.shape), name=name)

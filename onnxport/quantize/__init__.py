@@ -11,7 +11,7 @@ def _quiet_torchao_import() -> None:
     for lg in loggers:
         lg.setLevel(_logging.ERROR)
     try:
-        import torchao  # noqa: F401
+        import torchao
         import torchao.quantization  # noqa: F401
     finally:
         for lg, level in zip(loggers, levels):
@@ -20,7 +20,7 @@ def _quiet_torchao_import() -> None:
 
 _quiet_torchao_import()
 
-from .quantizer import Quantizer  # noqa: E402
-from .spec import QuantSpec, precision_table, quant_spec  # noqa: E402
+from .quantizer import Quantizer
+from .spec import QuantSpec, precision_table, quant_spec
 
 __all__ = ["QuantSpec", "Quantizer", "precision_table", "quant_spec"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -114,7 +115,7 @@ def _downstream_observed_module(nodes: list[Node]) -> str | None:
     """The module owning the first observed node after ``nodes`` (a fused epilogue's ReLU)."""
     frontier = [u for n in nodes for u in n.users]
     for _ in range(4):
-        nxt = []
+        nxt: list[Any] = []
         for node in frontier:
             if observed(node):
                 stack = node.meta.get("nn_module_stack", {})

@@ -33,7 +33,7 @@ def _targets(model: torch.nn.Module, embeddings: bool) -> Iterator[tuple[str, to
 def _check_groups(model: torch.nn.Module, group_size: int | None, embeddings: bool) -> list[str]:
     names = []
     for name, module in _targets(model, embeddings):
-        width = module.in_features if isinstance(module, torch.nn.Linear) else module.embedding_dim
+        width = int(module.in_features if isinstance(module, torch.nn.Linear) else module.embedding_dim)
         if group_size is not None and width % group_size:
             what = "input features" if isinstance(module, torch.nn.Linear) else "embedding width"
             raise InvalidArgumentError(
@@ -110,7 +110,7 @@ def quantize_weight_only(
         )
     _check_shared_weights(model, set(names))
     config = IntxWeightOnlyConfig(
-        weight_dtype=torch.int4 if WEIGHT_ONLY_BITS[method] == 4 else torch.int8,
+        weight_dtype=torch.int4 if WEIGHT_ONLY_BITS[method] == 4 else torch.int8,  # type: ignore[attr-defined]  # torch's stubs lack int4
         granularity=PerAxis(0) if group_size is None else PerGroup(group_size),
         mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC,
     )

@@ -27,7 +27,8 @@ def get_target(name: str | None) -> Target:
     """The :class:`Target` of a preset name (``None``: the default, the seed's file)."""
     if name is None:
         return DEFAULT_TARGET
-    return REGISTRY[check_choice(name, TARGETS, "target")]
+    check_choice(name, TARGETS, "target")
+    return REGISTRY[name]
 
 
 __all__ = ["DEFAULT_TARGET", "REGISTRY", "TARGETS", "Annotation", "ExportDefaults", "FileRules", "Target", "get_target"]
