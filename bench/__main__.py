@@ -9,12 +9,11 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
-
-from onnxport._io import write_text_atomic
 
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo",
               "dynamic_axes", "openvino", "sweep", "llm")
@@ -57,7 +56,7 @@ def main(only: list[str] | None = None) -> int:
     saved = HERE / "results.json"
     # A partial run (`python -m bench NAME`) updates the saved results instead of dropping the rest.
     results: dict = json.loads(saved.read_text()) if only and saved.exists() else {}
-    from onnxport._cpu import cpu_int8
+    from onnxport import cpu_int8
 
     isa = cpu_int8()
     results.update({"date": datetime.date.today().isoformat(), "machine": platform.platform(),
@@ -71,7 +70,9 @@ def main(only: list[str] | None = None) -> int:
         results[name] = module.run()
         print(module.report(results[name]))
         print(f"  ({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
-    write_text_atomic(HERE / "results.json", json.dumps(results, indent=2, default=str))
+    staged = HERE / ".results.json.partial"  # a complete file or the previous one, never half of one
+    staged.write_text(json.dumps(results, indent=2, default=str))
+    os.replace(staged, HERE / "results.json")
     print(f"wrote {HERE / 'results.json'}")
     if _chart(results, HERE / "latency_ratios.png"):
         print(f"wrote {HERE / 'latency_ratios.png'}")

@@ -64,7 +64,7 @@ def _one(entry, axes: dict, short: int | None, out: Path) -> dict:
 def run() -> dict:
     import logging
 
-    from onnxport._cpu import cpu_int8
+    from onnxport import cpu_int8
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     out = Path(tempfile.mkdtemp(prefix="onnxport-bench-dynamic-"))

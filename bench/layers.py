@@ -97,12 +97,12 @@ def _case(name: str, model: nn.Module, calibration: list, sample: torch.Tensor, 
     full = next(r for r in report.rows if r.kind == "output")
     start = time.perf_counter()
     # a budget just above what full INT8 reaches, so the search has to keep layers float
-    from onnxport.qdq.sensitivity import _outputs, score
+    from onnxport.qdq.sensitivity import model_outputs, score
 
-    reference = _outputs(model, [(sample,)])
-    reached = score(reference, _outputs(quantized, [(sample,)]), "cosine")
+    reference = model_outputs(model, [(sample,)])
+    reached = score(reference, model_outputs(quantized, [(sample,)]), "cosine")
     # the best any set of float layers can do: every ranked layer float (inputs, adds, pools stay INT8)
-    ceiling = score(reference, _outputs(Quantizer(float_layers=[n for n, _ in ranking]).quantize(model, calibration),
+    ceiling = score(reference, model_outputs(Quantizer(float_layers=[n for n, _ in ranking]).quantize(model, calibration),
                                         [(sample,)]), "cosine")
     budget = reached + budget_margin * (ceiling - reached)
     try:

@@ -141,7 +141,7 @@ def _one(entry, out: Path, nncf_python: str | None) -> dict:
 def run() -> dict:
     import logging
 
-    from onnxport._cpu import cpu_int8
+    from onnxport import cpu_int8
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     nncf_python = os.environ.get("ONNXPORT_BENCH_NNCF_PYTHON")

@@ -200,7 +200,7 @@ def run(out_dir: Path | None = None) -> dict:
     import sys
     import warnings
 
-    from onnxport._cpu import cpu_int8
+    from onnxport import cpu_int8
 
     if out_dir is None:
         with tempfile.TemporaryDirectory(prefix="onnxport-bench-sweep-") as scratch:

@@ -198,7 +198,7 @@ def run(out_dir: Path | None = None) -> dict:
     chosen = [n.strip() for n in os.environ.get("ONNXPORT_BENCH_ZOO", "").split(",") if n.strip()]
     models = [m for m in zoo_models() if not chosen or m.name in chosen]
     out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-zoo-"))
-    from onnxport._cpu import cpu_int8
+    from onnxport import cpu_int8
 
     results: dict = {"_isa": cpu_int8().describe()}
     logging.getLogger("torch").setLevel(logging.ERROR)

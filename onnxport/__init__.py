@@ -51,6 +51,8 @@ _EXPORTS = {
     "compare_qdq": ".qdq.verify",
     "QDQComparison": ".qdq.verify",
     "rounding_floor": ".rounding",
+    "cpu_int8": "._cpu",
+    "CPUInt8": "._cpu",
     "compare_layers": ".qdq.layers",
     "LayerReport": ".qdq.layers",
     "LayerRow": ".qdq.layers",
@@ -66,6 +68,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 -- sorted() is a list; one table holds the names
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ._cpu import CPUInt8, cpu_int8
     from .compare import OutputResult, Report, RunResults, compare_runs, run_onnx, run_torch
     from .compare.exported import ComparisonReport, OutputComparison, compare_onnx, verify_onnx
     from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq

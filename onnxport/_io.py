@@ -190,7 +190,7 @@ def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
-def _inside(folder: Path, location: str, tensor: str) -> Path:
+def inside_folder(folder: Path, location: str, tensor: str) -> Path:
     """``folder / location`` when that file lies inside ``folder`` (links resolved); else a named
     error. ``onnx.load`` and ONNX Runtime refuse the same locations: a model file from anywhere
     must not make onnxport read (and carry into its output) any file the user can read."""
@@ -240,7 +240,7 @@ def external_source(tensor: onnx.TensorProto, base: str | os.PathLike | None) ->
     :class:`~onnxport.errors.UnsafeExternalDataError` before a byte is read.
     """
     info = _external_info(tensor)
-    file = _inside(external_folder(tensor, base), info.get("location", ""), tensor.name)
+    file = inside_folder(external_folder(tensor, base), info.get("location", ""), tensor.name)
     try:
         offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
     except ValueError:

@@ -103,3 +103,54 @@ def test_every_target_module_is_registered_and_whole():
         assert isinstance(target, Target) and target.name == name
         assert get_target(None if name == "default" else name) is target
     assert set(TARGETS) == set(modules) - {"default"} == set(REGISTRY)
+
+
+def _from_imports(path: Path, package: str):
+    """(line, module, name) of every ``from … import name`` in a file, relative ones resolved."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                yield node.lineno, base, alias.name
+
+
+def _private_parts(dotted: str) -> list[str]:
+    return [part for part in dotted.split(".") if part.startswith("_") and not part.startswith("__")]
+
+
+def test_no_package_reaches_into_another_packages_private_names():
+    # the private core (onnxport._io, _ir, _axes, …) is every package's to use; a private name or
+    # module inside another package (targets._base, quantizer._capture) is not
+    found = []
+    for path in ROOT.rglob("*.py"):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        mine = ".".join(name.split(".")[:2])
+        for line, module, imported in _from_imports(path, package):
+            if not module.startswith("onnxport.") or ".".join(module.split(".")[:2]) == mine:
+                continue
+            if _private_parts(".".join([*module.split(".")[2:], imported])):
+                found.append(f"{path.relative_to(ROOT.parent)}:{line} {module}.{imported}")
+    assert not found, found
+
+
+def test_the_benchmarks_use_public_names_only():
+    found = []
+    for path in (ROOT.parent / "bench").rglob("*.py"):
+        for line, module, imported in _from_imports(path, "bench"):
+            if module.startswith("onnxport") and _private_parts(f"{module}.{imported}"):
+                found.append(f"{path.name}:{line} {module}.{imported}")
+        found += [f"{path.name}: import {a.name}" for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Import) for a in node.names
+                  if a.name.startswith("onnxport") and _private_parts(a.name)]
+    assert not found, found
+
+
+def test_one_module_stages_files_and_builds_pipelines():
+    writers = sorted(_module_name(p) for p in ROOT.rglob("*.py")
+                     if "staged_output(" in p.read_text() or "Pipeline(" in p.read_text())
+    # _io defines staged_output; the engine is the one caller
+    assert writers == ["onnxport._io", "onnxport.engine"], writers

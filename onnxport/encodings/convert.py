@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass, TopologicalSortPass
 from tqdm.auto import tqdm
 
-from .._io import EXTERNAL_BASE_KEY, ScratchTensors, _inside, check_external_data, read_onnx
+from .._io import EXTERNAL_BASE_KEY, ScratchTensors, check_external_data, inside_folder, read_onnx
 from .._ir import (
     const_tensor,
     drop_unread_constants,
@@ -202,7 +202,7 @@ def _constant_rows(tensor: ir.TensorProtocol) -> RowReader:
     weight never needs more than its own size in memory, and the model never needs its total.
     """
     if isinstance(tensor, ir.ExternalTensor) and tensor.dtype == ir.DataType.FLOAT and tensor.shape.rank():
-        file = _inside(Path(tensor.base_dir), tensor.location, tensor.name)  # confined like every read
+        file = inside_folder(Path(tensor.base_dir), tensor.location, tensor.name)  # confined like every read
         offset = tensor.offset or 0
         shape = tuple(int(d) for d in tensor.shape[1:])
         row = int(np.prod(shape, dtype=np.int64))

@@ -307,13 +307,13 @@ def export_decoder(
             shape = dataclasses.replace(shape, cache_dtype="float16")
             model = None
         elif precision != "fp32":
-            from ..qdq.weight_only import _export_copy, quantized_weights
+            from ..qdq.weight_only import export_copy, quantized_weights
             from ..quantize.weight_only import quantize_weight_only
 
             reference_model = quantize_weight_only(model, f"{precision}_weight_only", group_size=group_size,
                                                    symmetric=True, embeddings=False)
             weights = quantized_weights(reference_model)
-            export_model = _export_copy(reference_model, weights)
+            export_model = export_copy(reference_model, weights)
             if source_folder is not None:
                 # loaded here, so nobody else holds it: its float linear weights would otherwise
                 # stay in memory through the whole export (the weights file is mapped, and the
@@ -321,7 +321,7 @@ def export_decoder(
                 from .._checks import release_freed_memory
 
                 _own_tensors(reference_model)
-                export_model = _export_copy(reference_model, weights)
+                export_model = export_copy(reference_model, weights)
                 model = None
                 release_freed_memory()
         bar.update()
@@ -515,11 +515,11 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
             )
 
     def as_deployed(outputs: list, optimised: Path) -> None:
-        from ..qdq.weight_only import _warn_unfused
+        from ..qdq.weight_only import warn_unfused
 
         graph = onnx.load_model(str(optimised), load_external_data=False)
         result.runtime_fusions = dict(Counter(n.op_type for n in graph.graph.node if n.domain == "com.microsoft"))
-        _warn_unfused(graph, weights)
+        warn_unfused(graph, weights)
 
     plan = ExportPlan(
         "export_decoder", job.opset_version, prefill, capture, steps, axes=axes,

@@ -13,10 +13,10 @@ from .._cpu import PORTABLE_WEIGHT_RANGE, WEIGHT_RANGE_KEY
 from .._ir import const_tensor, graphs, is_default, opset_of, read_model, read_values
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
+from ..targets import I8 as _I8
 from ..targets import TARGETS, get_target
-from ..targets._base import I8 as _I8
-from ..targets._base import U8 as _U8
-from ..targets._base import U16 as _U16
+from ..targets import U8 as _U8
+from ..targets import U16 as _U16
 from .view import qdq_nodes
 
 

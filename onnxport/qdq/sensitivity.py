@@ -43,7 +43,7 @@ def _same_inputs(calibration: tuple[str, ...] | None, batches: list[tuple[torch.
     return [tuple(batch[i] for i in order) for batch in batches]
 
 
-def _outputs(model: Any, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+def model_outputs(model: Any, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     from .._inputs import flatten_outputs
     from .._torch import without_kv_cache
 
@@ -65,7 +65,7 @@ class _Trials:
                  metric: str, dynamic_batch: bool) -> None:
         from .._inputs import positional_forward
         from .._torch import require_module
-        from ..quantize.quantizer import Quantizer, _capture
+        from ..quantize.quantizer import Quantizer, capture_program
 
         require_module(model)
         if not isinstance(quantizer, Quantizer) or quantizer.backend != "pt2e" or quantizer.method != "static":
@@ -81,21 +81,21 @@ class _Trials:
         self.eval = _same_inputs(self.names, *read_calibration(eval_data, model, None, argument="eval_data"))
         work = copy.deepcopy(model).eval()
         with positional_forward(work, self.names):
-            self.reference = _outputs(work, self.eval)
-            self.captured = _capture(work, self.batches[0], dynamic_batch)
+            self.reference = model_outputs(work, self.eval)
+            self.captured = capture_program(work, self.batches[0], dynamic_batch)
         self.model = model
         self.count = 0
         self.seconds = 0.0
 
     def quantize(self, float_layers: Sequence[str]) -> Any:
         from ..quantize.placement import check_skip_names
-        from ..quantize.quantizer import _record_names
+        from ..quantize.quantizer import record_names
 
         check_skip_names(self.model, list(float_layers), "float_layers")
         trial = copy.copy(self.quantizer)
         trial.float_layers = [*self.quantizer.float_layers, *float_layers]
         start = time.perf_counter()
-        quantized = _record_names(trial._quantize_captured(copy.deepcopy(self.captured), self.batches,
+        quantized = record_names(trial._quantize_captured(copy.deepcopy(self.captured), self.batches,
                                                            self.dynamic_batch), self.names)
         gc.collect()  # the graphs of the last trial hold each other in cycles: free them now, not later
         self.seconds += time.perf_counter() - start
@@ -104,7 +104,7 @@ class _Trials:
 
     def measure(self, float_layers: Sequence[str]) -> tuple[float, Any]:
         quantized = self.quantize(float_layers)
-        return score(self.reference, _outputs(quantized, self.eval), self.metric), quantized
+        return score(self.reference, model_outputs(quantized, self.eval), self.metric), quantized
 
     def rank(self, names: Sequence[str], baseline: float) -> list[tuple[str, float]]:
         """``(layer, gain)`` for each layer alone in float, most sensitive first (a trial each)."""
@@ -116,7 +116,7 @@ class _Trials:
 
     def layers(self) -> list[str]:
         from ..quantize.placement import quantized_layers
-        from ..quantize.quantizer import _OnnxportPT2EQuantizer  # noqa: F401 - the annotation lives there
+        from ..quantize.quantizer import OnnxportPT2EQuantizer  # noqa: F401 - the annotation lives there
 
         annotated = copy.deepcopy(self.captured)
         self.quantizer._pt2e_quantizer(is_qat=False).annotate(annotated)

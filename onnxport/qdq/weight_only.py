@@ -176,7 +176,7 @@ class _GatherStandIn(torch.nn.Module):
         return torch.nn.functional.embedding(ids, self.weight)
 
 
-def _export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch.nn.Module:
+def export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch.nn.Module:
     """A copy of ``model`` (sharing its float tensors) with each quantized layer a stand-in."""
     memo: dict[int, Any] = {id(t): t for t in model.parameters()}
     memo.update({id(t): t for t in model.buffers()})
@@ -454,7 +454,7 @@ def export_weight_only(
             references.append([t.detach().cpu().numpy() for t in flatten_outputs(model(*(torch.from_numpy(v) for v in grown.values())))])
 
     def capture() -> ir.Model:
-        stand_ins = _export_copy(model, weights)
+        stand_ins = export_copy(model, weights)
         with eval_mode(stand_ins):
             return torch_program(
                 stand_ins, inputs, opset_version=max(opset_version, EXPORTER_MIN_OPSET), input_names=in_names,
@@ -485,7 +485,7 @@ def export_weight_only(
                 RuntimePrecisionWarning,
                 stacklevel=7,
             )
-        _warn_unfused(onnx.load_model(str(optimised), load_external_data=False), weights)
+        warn_unfused(onnx.load_model(str(optimised), load_external_data=False), weights)
 
     plan = ExportPlan(
         "export_qdq (weight-only)", opset_version, feeds, capture, weight_only_steps(weights), axes=axes,
@@ -495,7 +495,7 @@ def export_weight_only(
     run_plan(plan, target)
 
 
-def _warn_unfused(optimised: onnx.ModelProto, weights: list[QuantizedWeight]) -> None:
+def warn_unfused(optimised: onnx.ModelProto, weights: list[QuantizedWeight]) -> None:
     """Say when ONNX Runtime left weights it could run as MatMulNBits dequantized, and why."""
     fused = [n.op_type for n in optimised.graph.node].count("MatMulNBits")
     expected = sum(fusable(w) for w in weights)

@@ -39,7 +39,7 @@ class AffineActivationWarning(OnnxportWarning):
     """Activations with non-zero zero-points: TensorRT, among others, refuses them."""
 
 
-def _record_names(model: GraphModule, names: tuple[str, ...] | None) -> GraphModule:
+def record_names(model: GraphModule, names: tuple[str, ...] | None) -> GraphModule:
     """Keep the keyword names a model was captured with: it takes those inputs positionally, in
     this order, and onnxport's functions map a dict sample onto them."""
     if names:
@@ -64,7 +64,7 @@ def _finish_pt2e(model: GraphModule, spec: QuantSpec) -> GraphModule:
     return attach_spec(model, spec)
 
 
-class _OnnxportPT2EQuantizer(_PT2EQuantizerBase):
+class OnnxportPT2EQuantizer(_PT2EQuantizerBase):
     """The torchao ``Quantizer`` subclass carrying our annotation and placement edits."""
 
     def __init__(self, ctx: AnnotationContext, placement: str, skip: list[str], float_layers: list[str]) -> None:
@@ -132,7 +132,7 @@ def _model_device_check(model: torch.nn.Module) -> None:
             )
 
 
-def _capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_batch: bool,
+def capture_program(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_batch: bool,
              dynamic_axes: Any = None, names: tuple[str, ...] | None = None) -> GraphModule:
     """torch.export ``model`` as one graph, with a symbolic batch (``dynamic_batch``) and the
     symbolic ``dynamic_axes`` (by ``names``, the keyword names, or ``input``/``input_<i>``);
@@ -342,7 +342,7 @@ class Quantizer:
             qscheme="per_channel", symmetric=True, dynamic_activations=True,
         )
 
-    def _pt2e_quantizer(self, is_qat: bool) -> _OnnxportPT2EQuantizer:
+    def _pt2e_quantizer(self, is_qat: bool) -> OnnxportPT2EQuantizer:
         per_channel = self.qscheme == "per_channel"
         activation = activation_qspec(self.observer, self.symmetric, is_qat)
         post_relu = None
@@ -367,7 +367,7 @@ class Quantizer:
             elementwise_on_quantized=annotation.elementwise_on_quantized,
             int32_bias=annotation.int32_bias,
         )
-        return _OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
+        return OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 
     # -- PTQ -------------------------------------------------------------------------------
     def quantize(
@@ -417,11 +417,11 @@ class Quantizer:
         batches, names = read_calibration(calibration_dl, model, max_calibration_samples, dynamic_axes=dynamic_axes)
         work = copy.deepcopy(model).eval()
         with positional_forward(work, names):
-            captured = _capture(work, batches[0], dynamic_batch, dynamic_axes, names)
+            captured = capture_program(work, batches[0], dynamic_batch, dynamic_axes, names)
         axes = captured.meta.get(AXES_KEY)
         quantized = self._quantize_captured(captured, batches, dynamic_batch)
         quantized.meta[AXES_KEY] = axes
-        return _record_names(quantized, names)
+        return record_names(quantized, names)
 
     def _quantize_captured(self, captured: GraphModule, batches: list[tuple[torch.Tensor, ...]],
                            dynamic_batch: bool) -> GraphModule:
@@ -479,12 +479,12 @@ class Quantizer:
             check_skip_names(model, self.float_layers, "float_layers")
         work = copy.deepcopy(model).train()
         with positional_forward(work, names):
-            captured = _capture(work, inputs, dynamic_batch, dynamic_axes, names)
+            captured = capture_program(work, inputs, dynamic_batch, dynamic_axes, names)
         axes = captured.meta.get(AXES_KEY)
         prepared = prepare_qat_pt2e(captured, self._pt2e_quantizer(is_qat=True))
         prepared.meta["onnxport_qat_pending"] = self.spec()
         prepared.meta[AXES_KEY] = axes
-        return _record_names(prepared, names)
+        return record_names(prepared, names)
 
     def convert(self, prepared: GraphModule) -> GraphModule:
         """QAT: turn a trained model from :meth:`prepare` into the quantized model."""
@@ -503,7 +503,7 @@ class Quantizer:
         _release_device_caches()
         converted = _finish_pt2e(converted, spec)
         converted.meta[AXES_KEY] = axes
-        return _record_names(converted, names)
+        return record_names(converted, names)
 
     # -- torchao -----------------------------------------------------------------------------
     def _torchao(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import check_choice
 from . import default, onnxruntime, openvino, qnn, tensorrt
-from ._base import Annotation, ExportDefaults, FileRules, Target
+from ._base import I8, U8, U16, Annotation, ExportDefaults, FileRules, Target
 
 _MODULES = (tensorrt, onnxruntime, qnn, openvino)
 
@@ -31,4 +31,5 @@ def get_target(name: str | None) -> Target:
     return REGISTRY[name]
 
 
-__all__ = ["DEFAULT_TARGET", "REGISTRY", "TARGETS", "Annotation", "ExportDefaults", "FileRules", "Target", "get_target"]
+__all__ = ["DEFAULT_TARGET", "I8", "REGISTRY", "TARGETS", "U8", "U16", "Annotation", "ExportDefaults", "FileRules", "Target",
+           "get_target"]
