@@ -1,5 +1,6 @@
-"""The export pipeline both exporters run: named graph steps, each with its proof, then the
-file's proofs, with the file written once.
+"""The steps and proofs every export plan runs (through :func:`onnxport.engine.run_plan`, the only
+caller that builds a :class:`Pipeline`): named graph steps, each with its proof, then the file's
+proofs, with the file written once.
 
 A step is an ``onnx_ir`` pass and the proof that its result still computes what the exporter
 produced, one of four :class:`Proof` kinds: :class:`IdenticalOutputs` (ONNX Runtime,
