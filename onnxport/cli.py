@@ -257,10 +257,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     model = load_model(args.model)
     sample = _sample(args.input_shape, model)
-    report = compare_onnx(model, args.file, sample, rtol=args.rtol, atol=args.atol)
+    # the model's own float floor unless a fixed tolerance is asked for
+    floor = args.rtol is None and args.atol is None
+    report = compare_onnx(model, args.file, sample, rtol=args.rtol, atol=args.atol, rounding_floor=floor)
     print(report)
     if not report.passed:
-        print("the file does not match the model within tolerance", file=sys.stderr)
+        bound = "its own float floor" if floor else "tolerance"
+        print(f"the file does not match the model within {bound}", file=sys.stderr)
         return EXIT_BROKEN_PROMISE
     return EXIT_OK
 
@@ -399,8 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="compare a float ONNX file with the PyTorch model on random inputs")
     model_args(verify)
     verify.add_argument("file", metavar="FILE.onnx")
-    verify.add_argument("--rtol", type=float, default=1e-3)
-    verify.add_argument("--atol", type=float, default=1e-5)
+    verify.add_argument("--rtol", type=float, default=None,
+                        help="judge by a fixed tolerance instead of the model's own float floor (with --atol; "
+                             "default 1e-3 when only --atol is given)")
+    verify.add_argument("--atol", type=float, default=None,
+                        help="judge by a fixed tolerance instead of the model's own float floor (with --rtol; "
+                             "default 1e-5 when only --rtol is given)")
     verify.set_defaults(func=cmd_verify)
 
     debug = sub.add_parser("debug", help="layer by layer: where a Q/DQ file and its pt2e model part ways")

@@ -58,6 +58,12 @@ class RuntimePrecisionWarning(OnnxportWarning):
     """The file is correct, but a runtime's default setting computes it less exactly than the model."""
 
 
+class WeakerCheckWarning(OnnxportWarning):
+    """A check fell back to a weaker criterion than the one asked for (the model's float floor
+    could not be measured: no float64 kernel for one of its operators, or a float64 copy over the
+    memory budget); the message names why and the criterion used instead."""
+
+
 class VacuousCheckWarning(OnnxportWarning):
     """A check that cannot fail on this input: the reference gives (nearly) one output, or one
     class, for every sample, so any file that computes that one value agrees with it."""

@@ -34,3 +34,18 @@ not_a_model = 42
 def failing_factory():
     """A MODEL callable whose own code fails (a missing checkpoint, say)."""
     raise FileNotFoundError("weights.pt not found")
+
+
+
+def tiny_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+
+
+def tiny_mlp_tanh_gelu() -> nn.Module:
+    """tiny_mlp with its GELUs written as the tanh approximation: the same weights, another function
+    (a planted defect for the float proofs)."""
+    model = tiny_mlp()
+    for layer in (model[1], model[3]):
+        layer.approximate = "tanh"
+    return model

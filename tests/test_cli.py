@@ -36,6 +36,17 @@ def test_verbose_logs_each_export_step_and_the_file_proofs(tmp_path):
     assert "onnxport: step" not in quiet.stderr
 
 
+def test_verify_judges_by_the_float_floor_unless_a_tolerance_is_given(tmp_path):
+    out = tmp_path / "tanh.onnx"  # tiny_mlp's weights, its GELUs as the tanh form: another function
+    assert onnxport("export", "tests.cli_models:tiny_mlp_tanh_gelu", "--input-shape", "2,16", "-o", str(out)).returncode == 0
+    right = onnxport("verify", "tests.cli_models:tiny_mlp_tanh_gelu", str(out), "--input-shape", "32,16")
+    assert right.returncode == 0 and "float64 run as the reference" in right.stdout, right.stderr
+    wrong = onnxport("verify", "tests.cli_models:tiny_mlp", str(out), "--input-shape", "32,16")
+    assert wrong.returncode == 1 and "within its own float floor" in wrong.stderr, wrong.stdout
+    loose = onnxport("verify", "tests.cli_models:tiny_mlp", str(out), "--input-shape", "32,16", "--atol", "1e-2")
+    assert loose.returncode == 0 and "atol 0.01" in loose.stdout, loose.stdout
+
+
 def test_export_verify_and_static_int8_with_random_calibration(tmp_path):
     out = tmp_path / "tiny.onnx"
     result = onnxport("export", "tests.cli_models:tiny", "--input-shape", "2,3,8,8", "-o", str(out))

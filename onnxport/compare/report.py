@@ -12,6 +12,9 @@ from ..errors import InvalidArgumentError
 
 #: Cosine at or above which a file agrees with its model whatever the model's own floor.
 FAITHFUL_COSINE = 0.9999
+#: The smallest float floor a comparison uses: one float32 rounding (half an ulp, relative). A model
+#: whose float32 run equals its float64 run (a single exact op) still allows its file that much.
+FLOAT32_ROUNDING = 2.0**-24
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,20 @@ class OutputResult:
     #: (``compare_qdq(..., rounding_floor=True)``; see :func:`onnxport.rounding_floor`). Flips at
     #: rounding boundaries are rare events, so judge a file by the range, not by its minimum.
     rounding_floor: tuple[float, ...] | None = None
+    #: float proofs (``compare_onnx(..., rounding_floor=True)``): against the model run in float64,
+    #: the file's relative distance ``‖file − ref‖ / ‖ref‖`` and the model's own float32 run's (its
+    #: float floor); the verdict is their ratio against a documented multiple
+    float_distance: float | None = None
+    float_floor: float | None = None
     note: str = ""
+
+    @property
+    def floor_ratio(self) -> float | None:
+        """The file's distance from the float64 reference over the model's own float32 floor
+        (the floor taken as at least one float32 rounding, 2⁻²⁴)."""
+        if self.float_distance is None or self.float_floor is None:
+            return None
+        return self.float_distance / max(self.float_floor, FLOAT32_ROUNDING)
 
     @property
     def within_floor(self) -> bool | None:
@@ -108,10 +124,12 @@ class Report:
     def __str__(self) -> str:
         steps = any(o.max_error_in_steps is not None for o in self.outputs)
         floors = any(o.rounding_floor is not None for o in self.outputs)
+        float_floors = any(o.float_floor is not None for o in self.outputs)
         verdicts = any(o.passed is not None for o in self.outputs)
         width = max([16, *(len(o.name) + 1 for o in self.outputs)])
         head = (f"{'output':<{width}} {'shape':<16} {'max abs':>10} {'max rel':>10}" + (f" {'steps':>7}" if steps else "")
-                + f" {'cosine':>9} {'top-1':>7}" + ("  rounding floor (min-max)" if floors else "") + ("  ok" if verdicts else ""))
+                + f" {'cosine':>9} {'top-1':>7}" + ("  rounding floor (min-max)" if floors else "")
+                + (f" {'distance':>10} {'floor':>10} {'ratio':>7}" if float_floors else "") + ("  ok" if verdicts else ""))
         lines = [f"{self.strategy} on {self.n_samples} inputs" if self.strategy else "", head]
         for o in self.outputs:
             line = f"{o.name:<{width}} {list(o.shape)!s:<16} {o.max_abs_error:>10.4g} {o.max_rel_error:>10.3g}"
@@ -121,6 +139,10 @@ class Report:
             if floors and o.rounding_floor is not None:
                 verdict = "within 2x the floor" if o.within_floor else "BELOW 2x the floor: the file computes something else"
                 line += f"  {min(o.rounding_floor):.6f}-{max(o.rounding_floor):.6f}  {verdict}"
+            if float_floors:
+                ratio = o.floor_ratio
+                line += (f" {o.float_distance:>10.3g} {o.float_floor:>10.3g} {ratio:>7.2f}" if ratio is not None
+                         else f" {'-':>10} {'-':>10} {'-':>7}")
             if verdicts:
                 line += "  " + {True: "yes", False: "NO", None: "-"}[o.passed]
             if o.note:

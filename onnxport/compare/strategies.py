@@ -119,6 +119,41 @@ class WithinFloor(Strategy):
 
 
 @dataclass(frozen=True)
+class WithinFloatFloor(Strategy):
+    """The float proof: against the model run in float64, the file's relative distance at most
+    ``multiple`` times the model's own float32 run's (its float floor, at least one float32
+    rounding). Integer outputs must be equal. Needs ``float_floors``."""
+
+    multiple: float
+
+    def judge(self, got: np.ndarray, ref: np.ndarray, result: OutputResult) -> bool | None:
+        if got.shape != ref.shape:
+            return False
+        if not np.issubdtype(ref.dtype, np.floating):
+            return bool(np.array_equal(got, ref))
+        ratio = result.floor_ratio
+        return None if ratio is None else bool(ratio <= self.multiple)
+
+    def describe(self) -> str:
+        return f"within {self.multiple:g}x the model's own float32 floor (its float64 run as the reference)"
+
+    def tolerances(self) -> dict[str, Any]:
+        return {"float_floor_multiple": self.multiple}
+
+
+def relative_distance(got: np.ndarray, ref: np.ndarray) -> float:
+    """``‖got − ref‖₂ / ‖ref‖₂`` in float64 (0 for two zero outputs, inf for NaN or a shape mismatch)."""
+    if got.shape != ref.shape:
+        return float("inf")
+    a, b = np.asarray(got, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+    diff = float(np.linalg.norm(a - b))
+    if not np.isfinite(diff):
+        return 0.0 if np.array_equal(a, b, equal_nan=False) else float("inf")
+    norm = float(np.linalg.norm(b))
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+@dataclass(frozen=True)
 class TopOneAtLeast(Strategy):
     """The argmax over the last axis agrees on at least ``threshold`` of the inputs."""
 
@@ -156,6 +191,7 @@ def compare_runs(
     per_output: Mapping[str, Strategy] | None = None,
     scales: Mapping[str, float | None] | None = None,
     floors: Mapping[str, tuple[float, ...]] | None = None,
+    float_floors: Mapping[str, float] | None = None,
 ) -> Report:
     """Compare two runs output by output (paired by position, named by ``got``).
 
@@ -165,6 +201,8 @@ def compare_runs(
         per_output: a strategy for some outputs by name, overriding the default for them.
         scales: per output, the quantization step its error is also given in.
         floors: per output, the model's rounding-floor cosines (for :class:`WithinFloor`).
+        float_floors: per output, the model's float32 run's relative distance from its float64
+            run, which is then ``reference`` (for :class:`WithinFloatFloor`).
     """
     strategy = strategy if strategy is not None else Measure()
     per_output = dict(per_output or {})
@@ -183,6 +221,8 @@ def compare_runs(
         figures = _figures(name, a, b, (scales or {}).get(name))
         if floors is not None and name in floors:
             figures = _with(figures, rounding_floor=tuple(floors[name]))
+        if float_floors is not None and name in float_floors:
+            figures = _with(figures, float_floor=float(float_floors[name]), float_distance=relative_distance(a, b))
         verdict = judge.judge(a, b, figures)
         results.append(_with(figures, passed=verdict, criterion=judge.describe()))
     described = strategy.describe() + (f"; {', '.join(f'{n}: {s.describe()}' for n, s in per_output.items())}" if per_output else "")

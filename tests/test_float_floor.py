@@ -1,0 +1,130 @@
+"""Float proofs bounded by the model's own float floor: its float64 run is the reference, its
+float32 run's distance from that the floor, and a file passes within FLOAT_FLOOR_MULTIPLE of it.
+
+Real models, the real exporter, ONNX Runtime's own runs. The right files are judged by a bound that
+the model and the CPU at hand set; the planted defects are ones an exporter or a hand edit makes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from onnxport import compare_onnx, export_onnx, verify_onnx
+from onnxport.compare.exported import FLOAT_FLOOR_MULTIPLE
+from onnxport.errors import InvalidArgumentError, WeakerCheckWarning
+from tests.models import ResNet18, TinyTransformer, with_statistics
+
+
+def _file_of(model: nn.Module, sample, path) -> str:
+    return str(export_onnx(model, sample, path))
+
+
+def test_a_deep_cnn_at_real_size_is_within_its_floor(tmp_path):
+    torch.manual_seed(0)
+    model = with_statistics(ResNet18(num_classes=1000), (2, 3, 224, 224))
+    x = torch.randn(2, 3, 224, 224)
+    report = compare_onnx(model, _file_of(model, x, tmp_path / "r18.onnx"), x, rounding_floor=True)
+    out = report.outputs[0]
+    assert report.passed, str(report)
+    # the floor is the model's float32 run against its float64 run: not zero, and ORT's distance is of its order
+    assert 0 < out.float_floor < 1e-4 and out.float_distance > 0
+    assert out.floor_ratio <= FLOAT_FLOOR_MULTIPLE
+    assert report.tolerances == {"float_floor_multiple": FLOAT_FLOOR_MULTIPLE}
+    text = str(report)
+    assert "float64 run as the reference" in text and "distance" in text and "ratio" in text
+
+
+def _broken(model: nn.Module, change) -> nn.Module:
+    broken = copy.deepcopy(model).eval()
+    change(broken)
+    return broken
+
+
+def _largest_weight_through_bfloat16(model: nn.Module) -> None:
+    weight = max((p for p in model.parameters() if p.dim() >= 2), key=lambda p: float(p.detach().abs().max()))
+    with torch.no_grad():
+        weight.copy_(weight.to(torch.bfloat16).float())
+
+
+def _layer_norm_epsilon(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.eps = 1e-3
+
+
+def _tanh_gelu(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.GELU):
+            module.approximate = "tanh"
+
+
+@pytest.mark.parametrize("defect", [_largest_weight_through_bfloat16, _layer_norm_epsilon, _tanh_gelu],
+                         ids=["bfloat16 weight", "layernorm epsilon", "tanh gelu"])
+def test_planted_defects_fail_the_floor(tmp_path, defect):
+    torch.manual_seed(0)
+    model, tokens = TinyTransformer().eval(), torch.randint(0, 100, (8, 16))
+    right = compare_onnx(model, _file_of(model, tokens, tmp_path / "right.onnx"), tokens, rounding_floor=True)
+    wrong = compare_onnx(model, _file_of(_broken(model, defect), tokens, tmp_path / "wrong.onnx"), tokens,
+                         rounding_floor=True)
+    assert right.passed, str(right)
+    assert not wrong.passed and wrong.outputs[0].floor_ratio > 10 * FLOAT_FLOOR_MULTIPLE, str(wrong)
+
+
+def test_the_floor_sees_a_defect_a_fixed_tolerance_lets_through(tmp_path):
+    # outputs of magnitude 1e-3: the seed's atol (1e-5) is a hundredth of them, the tanh GELU's error far less
+    torch.manual_seed(0)
+    model, tokens = TinyTransformer().eval(), torch.randint(0, 100, (8, 16))
+    with torch.no_grad():
+        model.head.weight.mul_(1e-3)
+        model.head.bias.mul_(1e-3)
+    path = _file_of(_broken(model, _tanh_gelu), tokens, tmp_path / "tanh.onnx")
+    assert verify_onnx(model, path, tokens)  # the fixed tolerance calls the wrong file right
+    assert not verify_onnx(model, path, tokens, rounding_floor=True)
+
+
+class _Float32Only(nn.Module):
+    """Builds a float32 tensor in forward and multiplies by it: no float64 run possible."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(self.fc(x), torch.eye(4, dtype=torch.float32))
+
+
+def test_a_model_without_a_float64_run_falls_back_to_the_tolerance_and_says_why(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Float32Only().eval(), torch.randn(3, 4)
+    path = _file_of(model, x, tmp_path / "m.onnx")
+    with pytest.warns(WeakerCheckWarning, match="does not run in float64.*fixed tolerance"):
+        report = compare_onnx(model, path, x, rounding_floor=True)
+    assert report.passed and report.tolerances == {"rtol": 1e-3, "atol": 1e-5}
+    assert report.outputs[0].float_floor is None
+
+
+def test_a_float64_copy_over_the_memory_budget_falls_back(tmp_path, monkeypatch):
+    from onnxport.compare import exported
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4)).eval(), torch.randn(3, 4)
+    path = _file_of(model, x, tmp_path / "m.onnx")
+    monkeypatch.setattr(exported, "FLOAT64_MEMORY_SHARE", 0.0)  # no memory for any float64 copy
+    with pytest.warns(WeakerCheckWarning, match="float64 copy of its weights .* memory available"):
+        assert compare_onnx(model, path, x, rounding_floor=True).passed
+
+
+def test_the_model_given_is_not_changed_and_the_defaults_stay_the_seeds(tmp_path):
+    torch.manual_seed(0)
+    model, tokens = TinyTransformer().eval(), torch.randint(0, 100, (4, 16))
+    path = _file_of(model, tokens, tmp_path / "m.onnx")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compare_onnx(model, path, tokens, rounding_floor=True)
+    assert all(v.dtype == before[k].dtype and torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert compare_onnx(model, path, tokens).tolerances == {"rtol": 1e-3, "atol": 1e-5}
+    with pytest.raises(InvalidArgumentError, match="give one of them"):
+        compare_onnx(model, path, tokens, rtol=1e-3, rounding_floor=True)
