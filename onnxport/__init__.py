@@ -32,6 +32,7 @@ _EXPORTS = {
     "DependencyError": ".errors",
     "UnsafeExternalDataError": ".errors",
     "VacuousCheckWarning": ".errors",
+    "WeakerCheckWarning": ".errors",
     "PerformanceWarning": ".errors",
     "RuntimePrecisionWarning": ".errors",
     "OnnxportWarning": ".errors",
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # pragma: no cover
         RuntimePrecisionWarning,
         UnsafeExternalDataError,
         VacuousCheckWarning,
+        WeakerCheckWarning,
         WriteError,
     )
     from .export import export_onnx
