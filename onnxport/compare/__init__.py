@@ -17,12 +17,14 @@ from .strategies import (
     ScaledAllclose,
     Strategy,
     TopOneAtLeast,
+    WithinFloatFloor,
     WithinFloor,
     compare_runs,
+    relative_distance,
 )
 
 __all__ = [
     "FAITHFUL_COSINE", "CosineAtLeast", "Exact", "Measure", "OutputResult", "Report", "RunResults",
-    "ScaledAllclose", "Strategy", "TopOneAtLeast", "WithinFloor", "compare_runs", "run_onnx",
-    "run_torch",
+    "ScaledAllclose", "Strategy", "TopOneAtLeast", "WithinFloatFloor", "WithinFloor", "compare_runs",
+    "relative_distance", "run_onnx", "run_torch",
 ]

@@ -15,6 +15,8 @@ import os
 import warnings
 from typing import Any
 
+import numpy as np
+
 from ..errors import InvalidArgumentError, WeakerCheckWarning
 from .report import OutputResult, Report
 from .runners import onnx_batches, torch_batches
@@ -55,24 +57,50 @@ def _float64_copy_bytes(model: Any) -> int:
     return sum(t.numel() * 8 for t in tensors.values() if t.is_floating_point())
 
 
+def float64_copy(model: Any) -> Any:
+    """A float64 deep copy of ``model`` (the model itself untouched), or, as a string, why there is
+    none: a copy of its weights over :data:`FLOAT64_MEMORY_SHARE` of the memory available."""
+    needed, available = _float64_copy_bytes(model), _available_memory()
+    if available is not None and needed > FLOAT64_MEMORY_SHARE * available:
+        return (f"a float64 copy of its weights ({needed / 2**30:.1f} GB) would take more than "
+                f"{FLOAT64_MEMORY_SHARE:.0%} of the memory available ({available / 2**30:.1f} GB)")
+    return copy.deepcopy(model).double()
+
+
+def float64_failure(error: BaseException) -> str:
+    """Why a model did not run in float64, in the words a :class:`WeakerCheckWarning` uses."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"it does not run in float64 ({type(error).__name__}: {first})"
+
+
+#: what a model that cannot run in float64 raises (torch's dtype checks, a missing double kernel)
+FLOAT64_ERRORS = (RuntimeError, TypeError, NotImplementedError)
+
+
+def nonfinite_reason(wide: list[np.ndarray], narrow: list[np.ndarray]) -> str | None:
+    """Why a float64 run is no reference: it has NaN or infinity where the float32 run is finite (a
+    mask built from the dtype's minimum that overflows in float64, say)."""
+    for a, b in zip(wide, narrow):
+        if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a) | ~np.isfinite(b)):
+            return "its float64 run gives NaN or infinity where its float32 run is finite"
+    return None
+
+
 def _float64_run(model: Any, sample: Any, batches: list[tuple]) -> Any:
     """The model in float64 on the batches (float inputs widened), or the reason it cannot run so."""
     from .._inputs import bind_sample
     from .._torch import eval_mode
 
-    needed, available = _float64_copy_bytes(model), _available_memory()
-    if available is not None and needed > FLOAT64_MEMORY_SHARE * available:
-        return (f"a float64 copy of its weights ({needed / 2**30:.1f} GB) would take more than "
-                f"{FLOAT64_MEMORY_SHARE:.0%} of the memory available ({available / 2**30:.1f} GB)")
+    wide = float64_copy(model)
+    if isinstance(wide, str):
+        return wide
     try:
-        wide = copy.deepcopy(model).double()
         call, _, _ = bind_sample(wide, sample)
         wide_batches = [tuple(t.double() if t.is_floating_point() else t for t in batch) for batch in batches]
         with eval_mode(wide):
             return torch_batches(call, wide_batches, "torch (float64)")
-    except (RuntimeError, TypeError, NotImplementedError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return f"it does not run in float64 ({type(error).__name__}: {first})"
+    except FLOAT64_ERRORS as error:
+        return float64_failure(error)
 
 
 def compare_onnx(
@@ -132,6 +160,15 @@ def compare_onnx(
     if isinstance(wide, str):
         warnings.warn(
             f"compare_onnx(rounding_floor=True) cannot measure this model's float floor: {wide}. The file is "
+            f"judged by the fixed tolerance instead ({strategy.describe()}).",
+            WeakerCheckWarning,
+            stacklevel=2,
+        )
+        return compare_runs(got, reference, strategy)
+    broken = nonfinite_reason(wide.arrays, reference.arrays)
+    if broken is not None:
+        warnings.warn(
+            f"compare_onnx(rounding_floor=True) cannot measure this model's float floor: {broken}. The file is "
             f"judged by the fixed tolerance instead ({strategy.describe()}).",
             WeakerCheckWarning,
             stacklevel=2,

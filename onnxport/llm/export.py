@@ -21,9 +21,31 @@ import torch
 
 from .._io import check_output_path, write_bytes_atomic
 from .._torch import eval_mode
-from ..compare import CosineAtLeast, Report, RunResults, ScaledAllclose, compare_runs
+from ..compare import (
+    CosineAtLeast,
+    Report,
+    RunResults,
+    ScaledAllclose,
+    WithinFloatFloor,
+    compare_runs,
+    relative_distance,
+)
+from ..compare.exported import (
+    FLOAT64_ERRORS,
+    FLOAT_FLOOR_MULTIPLE,
+    float64_copy,
+    float64_failure,
+    nonfinite_reason,
+)
 from ..engine import validate_opset
-from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning, check_choice
+from ..errors import (
+    ExportRefusedError,
+    InvalidArgumentError,
+    PerformanceWarning,
+    RuntimePrecisionWarning,
+    WeakerCheckWarning,
+    check_choice,
+)
 from .generate import METADATA_KEY, decode, ort_step
 from .model import (
     ATTENTION_MASK,
@@ -49,7 +71,8 @@ ORT_CPU_OPSET = 23
 WEIGHT_ONLY_OPSET = 21
 #: New tokens the exporter's proof decodes (teacher-forced: the model's greedy tokens fed to both).
 PROOF_TOKENS = 8
-#: fp32 files: every logit within this of the model's, scaled to the logits' magnitude.
+#: fp32 files are held to the model's own float floor (its float64 logits the reference, within
+#: FLOAT_FLOOR_MULTIPLE times its float32 logits' distance); where that cannot be measured, to this.
 FP32_TOLERANCE = ScaledAllclose(rtol=1e-4, atol=1e-4)
 #: Weight-only files against the torchao model they store: ONNX Runtime's unoptimised run
 #: computes that model's arithmetic in another order; this is the weight-only exporter's bound.
@@ -174,7 +197,8 @@ def torch_step(model: torch.nn.Module, shape: DecoderShape):
         with torch.no_grad():
             out = cached_call(model, shape.layers, torch.from_numpy(ids), torch.from_numpy(mask),
                               torch.from_numpy(positions), tuple(torch.from_numpy(p) for p in past))
-        return out[0].float().numpy(), [t.numpy() for t in out[1:]]
+        logits = out[0] if out[0].dtype == torch.float64 else out[0].float()  # a float64 reference stays so
+        return logits.numpy(), [t.numpy() for t in out[1:]]
 
     return step
 
@@ -192,15 +216,9 @@ def _reference_decoding(model: torch.nn.Module, shape: DecoderShape) -> tuple[np
     return tokens, logits
 
 
-def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimized: bool) -> tuple[list[np.ndarray], float]:
-    """The file's last logits at every step, fed the model's tokens (teacher forcing, so a token the
+def _forced_decoding(step: Any, shape: DecoderShape, tokens: np.ndarray) -> tuple[list[np.ndarray], float]:
+    """``step``'s last logits at every step, fed the model's tokens (teacher forcing, so a token the
     two pick differently does not send the rest apart), and how often its own pick matched."""
-    from ..runtime import make_session
-
-    try:
-        session = make_session(path, optimized=optimized)
-    except Exception as error:  # ONNX Runtime raises its own Fail/InvalidGraph types
-        raise _RuntimeRefused(f"ONNX Runtime cannot load it: {_first_line(error)}") from error
     ids, mask = _proof_prompts(shape)
     forced = iter(tokens[:, ids.shape[1]:].T)
     logits: list[np.ndarray] = []
@@ -211,11 +229,53 @@ def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimize
         agree.extend(last.argmax(-1) == chosen)
         return chosen
 
+    decode(step, ids, mask, _empty(shape, len(ids)), PROOF_TOKENS, pick, on_logits=logits.append)
+    return logits, float(np.mean(agree))
+
+
+def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimized: bool) -> tuple[list[np.ndarray], float]:
+    """The file's last logits at every step, teacher-forced with the model's tokens (see
+    :func:`_forced_decoding`), and how often its own pick matched."""
+    from ..runtime import make_session
+
     try:
-        decode(ort_step(session), ids, mask, _empty(shape, len(ids)), PROOF_TOKENS, pick, on_logits=logits.append)
+        session = make_session(path, optimized=optimized)
+    except Exception as error:  # ONNX Runtime raises its own Fail/InvalidGraph types
+        raise _RuntimeRefused(f"ONNX Runtime cannot load it: {_first_line(error)}") from error
+    try:
+        return _forced_decoding(ort_step(session), shape, tokens)
     except Exception as error:
         raise _RuntimeRefused(f"ONNX Runtime cannot run it: {_first_line(error)}") from error
-    return logits, float(np.mean(agree))
+
+
+@dataclass
+class FloatFloor:
+    """An fp32 decoder's bound: the model's logits in float64 on the proof's tokens (the reference)
+    and, per step, its own float32 logits' relative distance from them (the floor)."""
+
+    reference: list[np.ndarray]
+    floors: dict[str, float]
+
+
+def _float_floor(model: torch.nn.Module, shape: DecoderShape, tokens: np.ndarray,
+                 logits32: list[np.ndarray]) -> FloatFloor | str:
+    """The model's float floor on the proof's decoding, or why it cannot be measured."""
+    wide = float64_copy(model)
+    if isinstance(wide, str):
+        return wide
+    wide_shape = dataclasses.replace(shape, cache_dtype="float64")
+    try:
+        with eval_mode(wide):
+            reference, _ = _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)
+    except FLOAT64_ERRORS as error:
+        return float64_failure(error)
+    finally:
+        del wide
+    broken = nonfinite_reason(reference, logits32)
+    if broken is not None:
+        return broken
+    names = _step_names(len(reference))
+    return FloatFloor(reference, {n: relative_distance(a, b) for n, a, b in zip(names, logits32, reference)})
 
 
 def _first_line(error: BaseException) -> str:
@@ -223,10 +283,16 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
-def _compare(got: list[np.ndarray], ref: list[np.ndarray], strategy: Any, level: str) -> Report:
-    names = ["prefill"] + [f"decode step {i}" for i in range(1, len(ref))]
+def _step_names(n: int) -> list[str]:
+    return ["prefill"] + [f"decode step {i}" for i in range(1, n)]
+
+
+def _compare(got: list[np.ndarray], ref: list[np.ndarray], strategy: Any, level: str,
+             float_floors: dict[str, float] | None = None) -> Report:
+    names = _step_names(len(ref))
+    runner = "the PyTorch model" + (" in float64" if float_floors is not None else "")
     return compare_runs(RunResults(f"the file (ONNX Runtime, {level})", dict(zip(names, got)), 2),
-                        RunResults("the PyTorch model", dict(zip(names, ref)), 2), strategy)
+                        RunResults(runner, dict(zip(names, ref)), 2), strategy, float_floors=float_floors)
 
 
 def export_decoder(
@@ -329,11 +395,21 @@ def export_decoder(
         with eval_mode(reference_model):
             check_cache(reference_model, shape, sample)
             tokens, reference_logits = _reference_decoding(reference_model, shape)
+        floor: FloatFloor | str | None = None
+        if precision == "fp32":
+            floor = _float_floor(reference_model, shape, tokens, reference_logits)
+            if isinstance(floor, str):
+                warnings.warn(
+                    f"export_decoder cannot measure {model_name}'s float floor: {floor}. The fp32 file is held to a "
+                    f"fixed tolerance instead ({FP32_TOLERANCE.describe()}).",
+                    WeakerCheckWarning,
+                    stacklevel=2,
+                )
         bar.update()
         if folder is not None:
             folder.mkdir(exist_ok=True)
         job = _Job(export_model, shape, sample, tokens, reference_logits, weights, precision, flavour,
-                   group_size, opset_version, model_name)
+                   group_size, opset_version, model_name, floor)
         try:
             result = _write(job, file, attention=True)
         except _RuntimeRefused as error:
@@ -416,6 +492,8 @@ class _Job:
     group_size: int
     opset_version: int
     model_name: str
+    #: fp32: the model's float floor on the proof's decoding, or why there is none
+    floor: FloatFloor | str | None = None
 
 
 def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -> list:
@@ -493,16 +571,19 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
         check_weights_faithful(path, weights)
 
     def decoding(path: Path) -> None:
-        strategy = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights or job.precision == "fp16" else FP32_TOLERANCE
+        strategy: Any = CosineAtLeast(WEIGHT_ONLY_COSINE) if weights or job.precision == "fp16" else FP32_TOLERANCE
+        reference, floors = job.reference_logits, None
+        if isinstance(job.floor, FloatFloor):  # fp32: the model's own float floor decides
+            strategy, reference, floors = WithinFloatFloor(FLOAT_FLOOR_MULTIPLE), job.floor.reference, job.floor.floors
         got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
-        result.agreement = _compare(got, job.reference_logits, strategy, "unoptimised")
+        result.agreement = _compare(got, reference, strategy, "unoptimised", floors)
         if not result.agreement:
             raise ExportRefusedError(
                 f"The decoder file does not compute what {job.model_name} computes "
                 f"({strategy.describe()}):\n{result.agreement}\nNothing was kept."
             )
         got, result.token_agreement = _file_decoding(path, shape, job.tokens, optimized=True)
-        result.deployed = _compare(got, job.reference_logits, strategy, "default level")
+        result.deployed = _compare(got, reference, strategy, "default level", floors)
         if not result.deployed:
             warnings.warn(
                 f"At ONNX Runtime's default level the decoder's logits agree with the model to "
