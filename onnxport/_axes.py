@@ -24,6 +24,9 @@ Axes = dict[str, dict[int, str]]
 
 #: Where a captured (pt2e) model keeps the axes it was captured with, by input name.
 AXES_KEY = "onnxport_dynamic_axes"
+#: The axes a caller named in ``dynamic_axes`` (not the batch ``dynamic_batch`` adds by default):
+#: a file written without axes of its own keeps these, as they were asked for.
+ASKED_AXES_KEY = "onnxport_asked_axes"
 
 BATCH = "batch"
 
@@ -353,6 +356,20 @@ def second_size(feeds: Mapping[str, np.ndarray], axes: Axes) -> dict[str, np.nda
             value = np.concatenate([value, np.take(value, [index], axis=axis)], axis=axis)
         out[name] = value
     return out
+
+
+def carry_axes(source: Any, target: Any) -> None:
+    """Copy the axes records a capture left on ``source.meta`` to ``target.meta``."""
+    for key in (AXES_KEY, ASKED_AXES_KEY):
+        if key in source.meta:
+            target.meta[key] = source.meta[key]
+
+
+def asked_axes(model: Any) -> list[dict[int, str]] | None:
+    """The axes the caller named when the model was captured, per input (``None`` when not recorded)."""
+    meta = getattr(model, "meta", None)
+    axes = meta.get(ASKED_AXES_KEY) if isinstance(meta, dict) else None
+    return [dict(spec) for spec in axes] if axes is not None else None
 
 
 def captured_axes(model: Any) -> list[dict[int, str]] | None:

@@ -115,6 +115,9 @@ def split_batches(inputs: Sequence[torch.Tensor], n_batches: Any, fixed_batch: i
     total = inputs[0].shape[0] if inputs[0].dim() else 0
     if total == 0:
         raise InvalidArgumentError("sample is empty: there is nothing to compare.")
+    if n_batches == 1 and (not fixed_batch or all(t.dim() and t.shape[0] == fixed_batch for t in inputs)):
+        # one run of the sample as it is: inputs may have batches of their own (CLIP's texts and images)
+        return [tuple(t.detach().cpu() for t in inputs)]
     if any(t.dim() == 0 or t.shape[0] != total for t in inputs):
         raise InvalidArgumentError("Every input in sample must have the same batch size (its first dimension).")
     if n_batches == 1 and fixed_batch and total != fixed_batch:

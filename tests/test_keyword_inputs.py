@@ -124,3 +124,23 @@ def test_the_sensitivity_search_reads_keyword_batches_in_any_key_order(model, tm
     path = export_qdq(result.model, sample, tmp_path / "budget.onnx")
     assert compare_qdq(result.model, path, sample).outputs[0].cosine_similarity >= 0.999
     assert "forward" not in vars(model)  # the positional forward was only the capture's
+
+
+@pytest.mark.parametrize("sample_kind", ["dict", "tuple"])
+def test_the_axes_and_names_given_at_quantize_are_the_files(tmp_path, sample_kind):
+    import onnx
+
+    model = _Masked().eval()
+    axes = {"x": {0: "batch", 1: "sequence"}, "mask": {0: "batch", 1: "sequence"}}
+    quantized = Quantizer(target="onnxruntime").quantize(model, [_batch(0), _batch(1)], dynamic_axes=axes)
+    sample = _batch(2)
+    path = export_qdq(quantized, sample if sample_kind == "dict" else (sample["x"], sample["mask"]),
+                      tmp_path / "m.onnx")  # no dynamic_batch or dynamic_axes restated here
+    graph = onnx.load(str(path), load_external_data=False).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in graph.input}
+    assert dims == {"x": ["batch", "sequence", 8], "mask": ["batch", "sequence"]}
+    # without batch in dynamic_axes the seed's default holds: dynamic_batch=False keeps the sample's batch
+    plain = Quantizer(target="onnxruntime").quantize(model, [_batch(0)], dynamic_axes={"x": {1: "sequence"},
+                                                                                        "mask": {1: "sequence"}})
+    graph = onnx.load(str(export_qdq(plain, sample, tmp_path / "p.onnx")), load_external_data=False).graph
+    assert [d.dim_param or d.dim_value for d in graph.input[0].type.tensor_type.shape.dim][:2] == [4, "sequence"]

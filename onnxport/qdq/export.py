@@ -10,7 +10,7 @@ from typing import Any
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
-from .._axes import BATCH, captured_axes, resolve_axes
+from .._axes import BATCH, asked_axes, captured_axes, resolve_axes
 from .._io import check_output_path
 from ..engine import ExportPlan, run_plan, validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError
@@ -311,14 +311,16 @@ def _export_weight_only_checked(
 
 
 def _file_axes(model: Any, dynamic_axes: Any, dynamic_batch: bool, names: list[str], inputs: tuple) -> dict:
-    """The axes the file gets: those asked for, or those the model was captured with (its batch
-    only with ``dynamic_batch``)."""
+    """The axes the file gets: those asked for, or those the model was captured with — its batch
+    with ``dynamic_batch``, or when the batch was named in ``dynamic_axes`` at capture."""
     if dynamic_axes is None:
         captured = captured_axes(model)
+        asked = asked_axes(model) or [{} for _ in names]
         if captured:
             dynamic_axes = {
-                name: {axis: label for axis, label in spec.items() if not (axis == 0 and label == BATCH)}
-                for name, spec in zip(names, captured)
+                name: {axis: label for axis, label in spec.items()
+                       if not (axis == 0 and label == BATCH and axis not in named)}
+                for name, spec, named in zip(names, captured, asked)
             }
             dynamic_axes = {name: spec for name, spec in dynamic_axes.items() if spec} or None
     return resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=names, inputs=inputs)

@@ -12,7 +12,7 @@ import torch
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
-from .._axes import AXES_KEY
+from .._axes import ASKED_AXES_KEY, AXES_KEY, carry_axes
 from .._cpu import WEIGHT_RANGES
 from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
 from .._torch import require_module
@@ -177,6 +177,9 @@ def capture_program(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dy
     if fixed:
         raise InvalidArgumentError(specialized_sentence(model, axes, fixed, guards))
     module.meta[AXES_KEY] = [axes.get(name, {}) for name in names]
+    asked = resolve_axes(dynamic_axes, dynamic_batch=False, names=names, inputs=inputs,
+                         aliases=forward_aliases(model, names, keywords)) if dynamic_axes else {}
+    module.meta[ASKED_AXES_KEY] = [asked.get(name, {}) for name in names]
     return module
 
 
@@ -418,9 +421,8 @@ class Quantizer:
         work = copy.deepcopy(model).eval()
         with positional_forward(work, names):
             captured = capture_program(work, batches[0], dynamic_batch, dynamic_axes, names)
-        axes = captured.meta.get(AXES_KEY)
         quantized = self._quantize_captured(captured, batches, dynamic_batch)
-        quantized.meta[AXES_KEY] = axes
+        carry_axes(captured, quantized)
         return record_names(quantized, names)
 
     def _quantize_captured(self, captured: GraphModule, batches: list[tuple[torch.Tensor, ...]],
@@ -480,10 +482,9 @@ class Quantizer:
         work = copy.deepcopy(model).train()
         with positional_forward(work, names):
             captured = capture_program(work, inputs, dynamic_batch, dynamic_axes, names)
-        axes = captured.meta.get(AXES_KEY)
         prepared = prepare_qat_pt2e(captured, self._pt2e_quantizer(is_qat=True))
         prepared.meta["onnxport_qat_pending"] = self.spec()
-        prepared.meta[AXES_KEY] = axes
+        carry_axes(captured, prepared)
         return record_names(prepared, names)
 
     def convert(self, prepared: GraphModule) -> GraphModule:
@@ -495,14 +496,14 @@ class Quantizer:
             raise InvalidArgumentError("convert() takes the model returned by Quantizer.prepare().")
         spec = prepared.meta.pop("onnxport_qat_pending")
         names = recorded_input_names(prepared)
-        axes = prepared.meta.get(AXES_KEY)
+        records = {key: prepared.meta[key] for key in (AXES_KEY, ASKED_AXES_KEY) if key in prepared.meta}
         move_exported_model_to_eval(prepared)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             converted = convert_pt2e(prepared)
         _release_device_caches()
         converted = _finish_pt2e(converted, spec)
-        converted.meta[AXES_KEY] = axes
+        converted.meta.update(records)
         return record_names(converted, names)
 
     # -- torchao -----------------------------------------------------------------------------
