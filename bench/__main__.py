@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo",
-              "dynamic_axes", "openvino", "sweep", "llm")
+              "dynamic_axes", "openvino", "sweep", "llm", "float_floor", "pretrained")
 HERE = Path(__file__).resolve().parent
 
 

@@ -61,6 +61,8 @@ _EXPORTS = {
     "encodings_to_onnx_qdq": ".encodings",
     "onnx_qdq_to_encodings": ".encodings",
     "strip_qdq": ".encodings",
+    "export_pretrained": ".pretrained",
+    "PretrainedExport": ".pretrained",
     "export_decoder": ".llm",
     "generate": ".llm",
     "DecoderFile": ".llm",
@@ -89,6 +91,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .export import export_onnx
     from .llm import DecoderFile, export_decoder, generate  # type: ignore[no-redef]  # the module, shadowed by name
+    from .pretrained import PretrainedExport, export_pretrained
     from .qdq.export import export_qdq
     from .qdq.layers import LayerReport, LayerRow, compare_layers
     from .qdq.rules import check_target

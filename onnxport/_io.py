@@ -393,3 +393,41 @@ def external_data_files(path: str | os.PathLike) -> list[Path]:
                 if entry.key == "location":
                     names.add(entry.value)
     return [path.parent / n for n in sorted(names)]
+
+
+def check_output_folder(output_dir: str | os.PathLike, argument: str = "output_dir") -> Path:
+    """``output_dir`` as a Path: a folder that may exist (its files with the same names are replaced
+    as a whole, others left), or a new one whose parent exists."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise InvalidArgumentError(f"{argument} '{folder}' is a file; give a folder (it is created if needed).")
+    parent = folder.parent if str(folder.parent) else Path(".")
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"{argument} '{folder}': its parent '{parent}' does not exist; create it first.")
+    return folder
+
+
+@contextlib.contextmanager
+def staged_folder(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """A private folder beside ``output_dir`` to assemble its files in; when the block succeeds
+    they are moved into ``output_dir`` (created when new, by one rename), the model files last, so
+    a reader never sees a new model beside old companions; on an exception nothing is moved and the
+    stage is removed. ``output_dir``'s other files are left as they are."""
+    folder = Path(output_dir)
+    parent = folder.parent if str(folder.parent) else Path(".")
+    stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=parent))
+    try:
+        yield stage
+        if not folder.exists():
+            os.replace(stage, folder)
+            return
+        names = sorted(p.name for p in stage.iterdir())
+        models = [n for n in names if n.endswith(".onnx")]
+        for name in [*(n for n in names if n not in models), *models]:
+            os.replace(stage / name, folder / name)
+    except OSError as error:
+        raise WriteError(f"Writing into '{folder}' failed ({error.strerror or error}); the files not yet moved "
+                         f"were dropped.") from error
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)

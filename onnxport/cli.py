@@ -156,7 +156,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+FOLDER_QUANTIZE = ("int8", "dynamic", "int4", "int8-weight-only")
+MODULE_QUANTIZE = ("dynamic", "static")
+
+
+def _pretrained_source(spec: str) -> bool:
+    """A save_pretrained folder or ``timm:NAME`` (the front door), not ``package.module:callable``."""
+    return spec.startswith("timm:") or Path(spec).is_dir()
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    if _pretrained_source(args.model):
+        return _export_pretrained(args)
+    if args.quantize is not None and args.quantize not in MODULE_QUANTIZE:
+        raise UsageError(f"--quantize {args.quantize} is for a save_pretrained folder or timm:NAME; for MODEL "
+                         f"'{args.model}' give {' or '.join(MODULE_QUANTIZE)} (ONNX Runtime's quantizer).")
+    for option, value in (("--task", args.task), ("--target", args.target), ("--weights", args.weights)):
+        if value is not None:
+            raise UsageError(f"{option} is for a save_pretrained folder or timm:NAME, not MODEL '{args.model}'.")
     from . import export_onnx
 
     model = load_model(args.model)
@@ -167,10 +184,39 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.quantize == "static":
             kwargs["calibration_data"] = _calibration(args.calibration, sample, args.batch_size)
             kwargs["calibration_method"] = args.calibration_method
-    path = export_onnx(model, sample, args.output, opset_version=args.opset, optimize=not args.no_optimize,
+    path = export_onnx(model, sample, args.output, opset_version=17 if args.opset is None else args.opset,
+                       optimize=not args.no_optimize,
                        dynamic_batch=not args.static_batch, input_names=_names(args.input_names),
                        output_names=_names(args.output_names), **kwargs)
     print(f"wrote {path}")
+    return 0
+
+
+def _export_pretrained(args: argparse.Namespace) -> int:
+    from .pretrained import export_pretrained
+
+    if args.quantize is not None and args.quantize not in FOLDER_QUANTIZE:
+        raise UsageError(f"--quantize {args.quantize}: a folder or timm model takes {', '.join(FOLDER_QUANTIZE)}.")
+    for option, value in (("--input-shape", args.input_shape), ("--input-names", args.input_names),
+                          ("--output-names", args.output_names)):
+        if value:
+            raise UsageError(f"{option} is for package.module:callable models; a folder's inputs and outputs come "
+                             f"from its config and task.")
+    result = export_pretrained(
+        args.model, args.output, task=args.task or "auto", quantize=args.quantize, calibration=args.calibration,
+        calibration_samples=args.calibration_samples, target=args.target,
+        opset_version=args.opset, trust_remote_code=args.trust_remote_code,
+        weights=args.weights,
+    )
+    print(f"wrote {result.path} ({result.task}; inputs {', '.join(result.inputs)}; outputs "
+          f"{', '.join(result.outputs)})")
+    for proof in result.proofs:
+        worst = max((o.get("float_distance") or 0) / max(o.get("float_floor") or 2**-24, 2**-24)
+                    for o in proof["outputs"]) if proof["outputs"][0].get("float_floor") is not None else None
+        figure = f", at most {worst:.2f}x its float floor" if worst is not None else ""
+        print(f"  proven at the {proof['size']} size ({', '.join(f'{k} {v}' for k, v in proof['shapes'].items())})"
+              f"{figure}")
+    print(f"wrote {result.folder / 'onnxport.json'}")
     return 0
 
 
@@ -327,12 +373,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--input-names", help="comma-separated graph input names")
         p.add_argument("--output-names", help="comma-separated graph output names")
 
-    export = sub.add_parser("export", help="float export, optionally ONNX Runtime INT8")
+    export = sub.add_parser(
+        "export", help="a save_pretrained folder, timm:NAME or MODEL to a proven ONNX file",
+        description="SOURCE is a save_pretrained folder or timm:NAME (the task, inputs and outputs come from it; -o "
+                    "is a folder), or MODEL: package.module:callable or a .pt2 file (with --input-shape; -o is a file).")
     model_args(export)
-    export.add_argument("-o", "--output", required=True, help="the .onnx file to write")
-    export.add_argument("--opset", type=int, default=17)
-    export.add_argument("--quantize", choices=("dynamic", "static"), help="quantize with ONNX Runtime")
-    export.add_argument("--calibration", help=".npy/.npz inputs, or 'random' (smoke tests only)")
+    export.add_argument("-o", "--output", required=True, help="the output folder (SOURCE) or .onnx file (MODEL)")
+    export.add_argument("--opset", type=int, default=None)
+    export.add_argument("--quantize", choices=sorted({*FOLDER_QUANTIZE, *MODULE_QUANTIZE}),
+                        help="SOURCE: int8 (pt2e static, needs --calibration), dynamic, int4, int8-weight-only; "
+                             "MODEL: dynamic or static (ONNX Runtime's quantizer)")
+    export.add_argument("--task", help="SOURCE: a transformers pipeline task (default: read from config.json)")
+    export.add_argument("--target", help="SOURCE with --quantize int8: the deployment target (default onnxruntime)")
+    export.add_argument("--calibration-samples", type=int, default=64, help="SOURCE: calibration samples to use")
+    export.add_argument("--trust-remote-code", action="store_true",
+                        help="SOURCE: let a config with auto_map run the folder's own code")
+    export.add_argument("--weights", help="timm:NAME: a local state dict or .safetensors file")
+    export.add_argument("--calibration", help="SOURCE: a text file (one sample a line), a folder of images or audio, "
+                                              "or a .npz; MODEL: .npy/.npz inputs, or 'random' (smoke tests only)")
     export.add_argument("--calibration-method", default="minmax", choices=("minmax", "entropy", "percentile"))
     export.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
     export.add_argument("--no-optimize", action="store_true")

@@ -1,0 +1,285 @@
+"""``export_pretrained``: a Hugging Face folder, a timm model or a transformers module of any common
+task to a proven ONNX file in one call — inputs and outputs named as the model names them, batch
+and sequence symbolic, agreement with the model proven at two sizes on its own float floor."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .._axes import second_size
+from .._io import check_output_folder, staged_folder, write_text_atomic
+from ..errors import ExportRefusedError, InvalidArgumentError, check_choice
+from .calibration import calibration_batches
+from .inputs import Signature, build_signature
+from .source import COMPANION_FILES, TIMM_PREFIX, Loaded, load_folder, load_module, load_timm
+from .tasks import Task, get_task
+
+Quantize = Literal["int8", "dynamic", "int4", "int8-weight-only"]
+QUANTIZE_CHOICES = ("int8", "dynamic", "int4", "int8-weight-only")
+MODEL_FILE = "model.onnx"
+RECORD_FILE = "onnxport.json"
+#: Calibration samples used when none is said (the pt2e observers settle within a few dozen).
+CALIBRATION_SAMPLES = 64
+
+
+class TaskOutputs(torch.nn.Module):
+    """A transformers model called with keyword inputs, giving the task's output fields as a tuple
+    (nested outputs such as CLIP's per-tower results are left out; the file's outputs are these)."""
+
+    def __init__(self, model: torch.nn.Module, outputs: list[str], extra: dict[str, Any]) -> None:
+        super().__init__()
+        self.model, self.output_names, self.extra = model, list(outputs), dict(extra)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def forward(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(**inputs, **self.extra)
+        return tuple(out[name] for name in self.output_names)
+
+
+@dataclass
+class PretrainedExport:
+    """What :func:`export_pretrained` wrote and proved; ``os.fspath`` gives the model file.
+
+    Attributes:
+        path: the ONNX file (``OUT/model.onnx``; weights in ``model.onnx.data`` past 2 GB).
+        folder: the output folder (config, tokenizer/processor files, ``onnxport.json``).
+        task: the task exported.
+        inputs, outputs: the file's input and output names; ``axes`` their symbolic axes.
+        proofs: per proof run, its size and per output the figures and verdict.
+        quantization: what the file was quantized with, or ``None``.
+    """
+
+    path: Path
+    folder: Path
+    task: str
+    inputs: list[str]
+    outputs: list[str]
+    axes: dict[str, dict[int, str]]
+    proofs: list[dict[str, Any]] = field(default_factory=list)
+    quantization: dict[str, Any] | None = None
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def _extra_kwargs(model: torch.nn.Module) -> dict[str, Any]:
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    extra: dict[str, Any] = {}
+    if "return_dict" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        extra["return_dict"] = True
+    if "use_cache" in parameters:
+        extra["use_cache"] = False
+    return extra
+
+
+def _output_fields(loaded: Loaded, signature: Signature, extra: dict[str, Any]) -> list[str]:
+    """The task's output fields the model returns (every tensor field when the task names none)."""
+    with torch.no_grad():
+        out = loaded.model(**signature.as_dict(), **extra)
+    items = out.items() if hasattr(out, "items") else []
+    tensors = [name for name, value in items if isinstance(value, torch.Tensor)]
+    if not tensors:
+        raise InvalidArgumentError(f"{loaded.description} returned no named tensor outputs for task "
+                                   f"{loaded.task.name!r}; export it with export_onnx.")
+    wanted = [name for name in loaded.task.outputs if name in tensors]
+    return wanted or tensors
+
+
+def _load(source: Any, task: str, trust_remote_code: bool, weights: Any) -> Loaded:
+    if isinstance(source, torch.nn.Module):
+        return load_module(source, task)
+    if isinstance(source, str) and source.startswith(TIMM_PREFIX):
+        return load_timm(source, weights)
+    if isinstance(source, (str, os.PathLike)):
+        return load_folder(Path(source), task, trust_remote_code=trust_remote_code)
+    raise InvalidArgumentError(
+        f"source must be a save_pretrained folder, 'timm:NAME' or a transformers model, not {type(source).__name__}."
+    )
+
+
+def _prove_float(wrapper: TaskOutputs, path: Path, signature: Signature) -> list[dict[str, Any]]:
+    """The file against the model at two sizes of every symbolic axis, on the model's float floor."""
+    from ..compare import Report
+    from ..compare.exported import compare_onnx
+
+    feeds = {n: t.numpy() for n, t in signature.as_dict().items()}
+    grown = {n: torch.from_numpy(v) for n, v in second_size(feeds, signature.axes).items()}
+    proofs = []
+    for label, sample in (("sample", signature.as_dict()), ("one longer on every symbolic axis", grown)):
+        report: Report = compare_onnx(wrapper, path, sample, rounding_floor=True)
+        proofs.append(_proof_record(label, sample, report))
+        if not report.passed:
+            raise ExportRefusedError(
+                f"The file does not compute what the model computes at the {label} size:\n{report}\nNothing was kept."
+            )
+    return proofs
+
+
+def _proof_record(label: str, sample: dict[str, torch.Tensor], report: Any) -> dict[str, Any]:
+    return {
+        "size": label, "shapes": {n: list(t.shape) for n, t in sample.items()}, "criterion": report.strategy,
+        "passed": report.passed,
+        "outputs": [{k: v for k, v in asdict(o).items() if k in (
+            "name", "max_abs_error", "cosine_similarity", "float_distance", "float_floor", "max_error_in_steps",
+            "rounding_floor", "passed")} for o in report.outputs],
+    }
+
+
+def export_pretrained(
+    source: Any,
+    output_dir: str | os.PathLike,
+    *,
+    task: str = "auto",
+    quantize: Quantize | None = None,
+    calibration: Any = None,
+    calibration_samples: int = CALIBRATION_SAMPLES,
+    calibration_length: int | None = None,
+    target: str | None = None,
+    opset_version: int | None = None,
+    trust_remote_code: bool = False,
+    weights: str | os.PathLike | None = None,
+) -> PretrainedExport:
+    """Export a pretrained model of a common task to ``output_dir``, proven on the file it wrote.
+
+    Args:
+        source: a ``save_pretrained`` folder (config.json and safetensors or .bin; nothing is
+            downloaded), ``'timm:NAME'`` (random weights, or ``weights``), or a transformers model.
+        output_dir: receives ``model.onnx`` (``model.onnx.data`` past 2 GB), config.json and the
+            tokenizer/processor files, and ``onnxport.json`` (task, inputs and outputs with their
+            axes, the proofs with their figures, the quantization, versions). Created if needed;
+            on a refusal it is left as it was.
+        task: a transformers pipeline name (``onnxport.pretrained.TASKS``), or ``'auto'`` to read it
+            from ``architectures`` in config.json.
+        quantize: ``None`` (float), ``'int8'`` (pt2e static INT8 with the target's rules, needs
+            ``calibration``), ``'dynamic'`` (ONNX Runtime's dynamic INT8 of the float file),
+            ``'int4'`` / ``'int8-weight-only'`` (torchao weight-only).
+        calibration: for ``'int8'``: a text file (one sample a line, tokenized with the folder's
+            tokenizer), a folder of images or .wav/.flac files, a .npz (one array per input), or a
+            list of dicts of arrays.
+        calibration_samples: use at most this many calibration samples.
+        calibration_length: the token length text calibration is padded or cut to (default: the
+            sample's).
+        target: the deployment target for ``'int8'`` (default ``'onnxruntime'``).
+        opset_version: the default-domain opset (each exporter's default when ``None``).
+        trust_remote_code: allow a folder whose config names custom code (``auto_map``) to run it.
+        weights: for ``'timm:NAME'``: a local state dict or safetensors file.
+
+    Returns a :class:`PretrainedExport` (``.path`` is the model file).
+    """
+    folder = check_output_folder(output_dir)
+    if task != "auto":
+        get_task(task)  # an unknown task is named, with the list, before anything is loaded
+    if quantize is not None:
+        check_choice(quantize, QUANTIZE_CHOICES, "quantize")
+    if quantize == "int8" and calibration is None:
+        raise InvalidArgumentError(
+            "quantize='int8' needs calibration data: a text file (one sample a line), a folder of images or audio, "
+            "a .npz, or a list of dicts; or use quantize='dynamic', which needs none."
+        )
+    if calibration is not None and quantize != "int8":
+        raise InvalidArgumentError(f"calibration is only read with quantize='int8', and quantize={quantize!r}.")
+    if target is not None and quantize != "int8":
+        raise InvalidArgumentError(f"target={target!r} applies to quantize='int8' files only.")
+    if isinstance(calibration_samples, bool) or not isinstance(calibration_samples, int) or calibration_samples < 1:
+        raise InvalidArgumentError(f"calibration_samples must be a positive integer, not {calibration_samples!r}.")
+
+    loaded = _load(source, task, trust_remote_code, weights)
+    signature = build_signature(loaded.model, loaded.task, loaded.preprocessor)
+    extra = _extra_kwargs(loaded.model)
+    signature.outputs = _output_fields(loaded, signature, extra)
+    wrapper = TaskOutputs(loaded.model, signature.outputs, extra).eval()
+    batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
+                                   length=calibration_length) if quantize == "int8" else None)
+
+    with staged_folder(folder) as stage:
+        path = stage / MODEL_FILE
+        quantization, proofs = _write(wrapper, loaded.task, signature, path, quantize=quantize, batches=batches,
+                                      target=target, opset_version=opset_version)
+        if loaded.folder is not None:
+            for name in COMPANION_FILES:
+                if (loaded.folder / name).is_file():
+                    shutil.copyfile(loaded.folder / name, stage / name)
+        result = PretrainedExport(folder / MODEL_FILE, folder, loaded.task.name, signature.names, signature.outputs,
+                                  signature.axes, proofs, quantization)
+        write_text_atomic(stage / RECORD_FILE, json.dumps(_record(result, loaded), indent=2))
+    return result
+
+
+def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *, quantize: str | None,
+           batches: list | None, target: str | None, opset_version: int | None) -> tuple[dict | None, list]:
+    """Write the file at ``path`` by the exporter its precision needs, and prove it."""
+    from ..export import export_onnx
+
+    sample = signature.as_dict()
+    if quantize in (None, "dynamic"):
+        with warnings.catch_warnings():
+            # the front door's proof below replaces export_onnx's own advice on the file
+            warnings.filterwarnings("ignore", message="calibration_data is only used")
+            export_onnx(wrapper, sample, path, opset_version=opset_version or 17, dynamic_axes=signature.axes,
+                        output_names=signature.outputs, quantize=quantize == "dynamic")
+        if quantize == "dynamic":
+            return {"scheme": "ONNX Runtime dynamic INT8 (quantize_dynamic of the proven float graph)",
+                    "weight_range": "portable"}, []
+        return None, _prove_float(wrapper, path, signature)
+    from ..qdq.export import export_qdq
+    from ..quantize import Quantizer
+
+    if quantize == "int8":
+        quantizer = Quantizer(target=target or "onnxruntime")
+        quantized = quantizer.quantize(wrapper, batches, dynamic_axes=signature.axes)
+        export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
+                   dynamic_batch=True)
+        proofs = [_prove_qdq(quantized, path, sample)]
+        return {"scheme": "pt2e static INT8", "target": target or "onnxruntime",
+                "calibration_batches": len(batches or [])}, proofs
+    method = "int4_weight_only" if quantize == "int4" else "int8_weight_only"
+    quantized = Quantizer(backend="torchao", method=method, group_size=32 if quantize == "int4" else None) \
+        .quantize(wrapper)
+    export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
+               dynamic_axes=signature.axes)
+    return {"scheme": f"torchao {method}"}, []
+
+
+def _prove_qdq(quantized: Any, path: Path, sample: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from ..qdq.verify import compare_qdq
+
+    report = compare_qdq(quantized, path, sample, rounding_floor=True)
+    record = _proof_record("sample", sample, report)
+    failing = [o.name for o in report.outputs if o.within_floor is False]
+    if failing:
+        raise ExportRefusedError(
+            f"The INT8 file is beyond twice its model's rounding floor on {failing}:\n{report}\nNothing was kept."
+        )
+    return record
+
+
+def _record(result: PretrainedExport, loaded: Loaded) -> dict[str, Any]:
+    import onnx
+    import onnxruntime
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "task": result.task, "source": loaded.description, "model_file": MODEL_FILE,
+        "inputs": [{"name": n, "axes": result.axes.get(n, {})} for n in result.inputs],
+        "outputs": result.outputs, "proofs": result.proofs, "quantization": result.quantization,
+        "versions": {"onnxport": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+    }

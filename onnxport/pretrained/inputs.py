@@ -1,0 +1,131 @@
+"""Example inputs, their symbolic axes and the output names for a transformers model and a task,
+from the model's own config (vocabulary, type vocabulary, image size, channels, sampling rate) and
+its forward's parameters: the file's inputs are named as forward names them."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .tasks import Task
+
+#: The sample's sizes: two rows (a second size is one longer), a short sequence, one second of audio.
+BATCH, SEQUENCE, CHOICES, TEXTS = 2, 16, 2, 3
+AUDIO_SECONDS = 1.0
+DEFAULT_SAMPLING_RATE = 16000
+
+
+@dataclass
+class Signature:
+    """What the file takes and gives.
+
+    Attributes:
+        names: the inputs, in the order the file takes them (forward's parameter names).
+        sample: one example of each, batch first.
+        axes: the symbolic axes, ``{input: {axis: label}}``.
+        outputs: the outputs' names (the transformers output fields).
+    """
+
+    names: list[str]
+    sample: list[torch.Tensor]
+    axes: dict[str, dict[int, str]]
+    outputs: list[str] = field(default_factory=list)
+
+    def as_dict(self, sample: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.sample if sample is None else sample))
+
+
+def _sub(config: Any, name: str) -> Any:
+    """A composite model's text or vision config (CLIP), or the config itself."""
+    return getattr(config, name, None) or config
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    parameters = inspect.signature(model.forward).parameters
+    return name in parameters
+
+
+def modality_of(model: torch.nn.Module, task: Task) -> str:
+    if task.modality is not None and task.name not in ("feature-extraction", "image-feature-extraction"):
+        return task.modality
+    main = getattr(model, "main_input_name", "input_ids")
+    return {"pixel_values": "vision", "input_values": "audio"}.get(main, "text")
+
+
+def _tokens(config: Any, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 2:
+        raise InvalidArgumentError("The model's config gives no vocab_size, so no token ids can be made for it.")
+    # ids above the special tokens most vocabularies start with; the same ids in every run
+    low = min(5, vocab - 1)
+    return torch.randint(low, vocab, shape, generator=generator)
+
+
+def _sequence(config: Any) -> int:
+    longest = getattr(config, "max_position_embeddings", None)
+    # one longer is the second size the proofs run at; learned positions must hold it
+    return max(2, min(SEQUENCE, longest - 3)) if isinstance(longest, int) and longest > 4 else SEQUENCE
+
+
+def _text(model: torch.nn.Module, config: Any, shape: tuple[int, ...], generator: torch.Generator,
+          batch: str, axes_of_text: dict[int, str]) -> Signature:
+    ids = _tokens(config, shape, generator)
+    mask = torch.ones(shape, dtype=torch.long)
+    mask[..., -3:][0] = 0  # the first row padded: the mask is part of what the file computes
+    names, sample = ["input_ids"], [ids]
+    if _accepts(model, "attention_mask"):
+        names.append("attention_mask")
+        sample.append(mask)
+    if _accepts(model, "token_type_ids") and getattr(config, "type_vocab_size", 0) and config.type_vocab_size > 1:
+        names.append("token_type_ids")
+        sample.append(torch.zeros(shape, dtype=torch.long))
+    return Signature(names, sample, {name: dict(axes_of_text) for name in names})
+
+
+def _image_size(config: Any) -> tuple[int, int, int]:
+    size = getattr(config, "image_size", None)
+    if isinstance(size, dict):
+        size = (size.get("height"), size.get("width"))
+    if isinstance(size, int):
+        size = (size, size)
+    if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size)):
+        size = (224, 224)  # the configs without an image_size are convolutional: any size runs
+    channels = getattr(config, "num_channels", 3)
+    return int(channels), int(size[0]), int(size[1])
+
+
+def _pixels(config: Any, batch: int, generator: torch.Generator) -> torch.Tensor:
+    channels, height, width = _image_size(config)
+    return torch.randn(batch, channels, height, width, generator=generator)
+
+
+def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[str, Any] | None = None) -> Signature:
+    """The example inputs and symbolic axes of ``model`` for ``task`` (no output names yet)."""
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    modality = modality_of(model, task)
+    if modality == "text":
+        return _text(model, config, (BATCH, _sequence(config)), generator, "batch", {0: "batch", 1: "sequence"})
+    if modality == "choices":
+        return _text(model, config, (BATCH, CHOICES, _sequence(config)), generator, "batch",
+                     {0: "batch", 1: "choices", 2: "sequence"})
+    if modality == "vision":
+        return Signature(["pixel_values"], [_pixels(config, BATCH, generator)], {"pixel_values": {0: "batch"}})
+    if modality == "audio":
+        rate = (preprocessor or {}).get("sampling_rate", DEFAULT_SAMPLING_RATE)
+        samples = int(rate * AUDIO_SECONDS)
+        return Signature(["input_values"], [torch.randn(BATCH, samples, generator=generator) * 0.1],
+                         {"input_values": {0: "batch", 1: "samples"}})
+    # text and images, each batch its own: one image against many labels
+    text_config, vision_config = _sub(config, "text_config"), _sub(config, "vision_config")
+    text = _text(model, text_config, (TEXTS, _sequence(text_config)), generator, "text_batch",
+                 {0: "text_batch", 1: "sequence"})
+    text.names.append("pixel_values")
+    text.sample.append(_pixels(vision_config, BATCH, generator))
+    text.axes["pixel_values"] = {0: "image_batch"}
+    return text

@@ -1,0 +1,171 @@
+"""Where a model comes from: a ``save_pretrained`` folder, ``timm:NAME``, or a module in memory —
+each becomes the model, its task and its config, with nothing downloaded and nothing from the
+folder run unless ``trust_remote_code=True``."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DependencyError, InvalidArgumentError
+from .adapters import adapter_for
+from .tasks import Task, get_task, infer_task
+
+#: Files a folder may hold that a deployment needs beside the model (tokenizers, processors,
+#: generation settings); copied into the output folder when present.
+COMPANION_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "preprocessor_config.json", "processor_config.json", "image_processor_config.json",
+    "feature_extractor_config.json", "chat_template.jinja",
+)
+TIMM_PREFIX = "timm:"
+
+
+@dataclass
+class Loaded:
+    """A model ready to export: the module (eval mode, float32), its task, where it came from."""
+
+    model: torch.nn.Module
+    task: Task
+    folder: Path | None = None
+    description: str = ""
+    preprocessor: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InvalidArgumentError(f"{what} '{path}' cannot be read as JSON: {error}; fix or replace the file.") from error
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{what} '{path}' holds a {type(data).__name__}, not a JSON object.")
+    return data
+
+
+def _preprocessor(folder: Path) -> dict[str, Any]:
+    for name in ("preprocessor_config.json", "feature_extractor_config.json"):
+        if (folder / name).is_file():
+            return _read_json(folder / name, "The preprocessor config")
+    return {}
+
+
+def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loaded:
+    """A ``save_pretrained`` folder's model for ``task_name`` (``'auto'``: from its config)."""
+    if not folder.is_dir():
+        raise InvalidArgumentError(
+            f"source '{folder}' is not a folder: give the folder save_pretrained wrote (config.json and the "
+            f"weights), 'timm:NAME', or package.module:callable for your own model."
+        )
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise InvalidArgumentError(
+            f"source '{folder}' has no config.json, so it is not a folder save_pretrained wrote; give the folder "
+            f"that holds config.json and the weights."
+        )
+    raw = _read_json(config_file, "The config")
+    if raw.get("auto_map") and not trust_remote_code:
+        raise InvalidArgumentError(
+            f"'{config_file}' names custom code (auto_map: {sorted(raw['auto_map'])}), which would run from the "
+            f"folder; nothing was run. Pass trust_remote_code=True (--trust-remote-code) if you trust its code."
+        )
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as error:  # transformers raises ValueError, KeyError, OSError alike
+        raise InvalidArgumentError(
+            f"transformers cannot read '{config_file}' ({type(error).__name__}: {_first_line(error)}); an unknown "
+            f"model_type needs a newer transformers, or trust_remote_code=True for custom code."
+        ) from error
+    vision = _takes_pixels(config)
+    task = infer_task(getattr(config, "architectures", None), vision=vision, where=f"'{config_file}'") \
+        if task_name == "auto" else get_task(task_name)
+    adapter = adapter_for(getattr(config, "model_type", ""))
+    import transformers
+
+    auto = getattr(transformers, task.auto_class)
+    try:
+        model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                     trust_remote_code=trust_remote_code, **adapter.load_kwargs)
+    except ValueError as error:  # the Auto class does not know this config for this task
+        raise InvalidArgumentError(
+            f"task={task.name!r} does not fit the {getattr(config, 'model_type', '?')} model in '{folder}' "
+            f"({_first_line(error)}); pass the task the model was trained for, or task='auto'."
+        ) from error
+    except OSError as error:
+        raise InvalidArgumentError(
+            f"the weights in '{folder}' cannot be read ({_first_line(error)}); the folder needs model.safetensors "
+            f"or pytorch_model.bin as save_pretrained wrote them."
+        ) from error
+    except Exception as error:  # a corrupt safetensors raises its own types
+        raise InvalidArgumentError(
+            f"the weights in '{folder}' cannot be loaded ({type(error).__name__}: {_first_line(error)}); replace "
+            f"them with the files save_pretrained wrote."
+        ) from error
+    adapter.prepare(model)
+    return Loaded(model.eval(), task, folder, f"{type(model).__name__} from '{folder}'", _preprocessor(folder))
+
+
+def _takes_pixels(config: Any) -> bool:
+    main = getattr(config, "model_type", "")
+    return hasattr(config, "image_size") and hasattr(config, "num_channels") and not hasattr(config, "vocab_size") \
+        or main in ("resnet", "convnext", "convnextv2", "regnet", "mobilenet_v2", "efficientnet", "bit")
+
+
+def load_timm(spec: str, weights: str | os.PathLike | None) -> Loaded:
+    """``timm:NAME`` (random weights, or ``weights`` a local state dict or safetensors file)."""
+    name = spec[len(TIMM_PREFIX):]
+    if not name:
+        raise InvalidArgumentError("source 'timm:' names no model; give timm:NAME, e.g. timm:resnet18.")
+    try:
+        import timm
+    except ImportError as error:
+        raise DependencyError(
+            f"source '{spec}' needs timm, which cannot be imported here ({error}); install timm (it needs "
+            f"torchvision, a build matching your torch)."
+        ) from error
+    try:
+        model = timm.create_model(name, pretrained=False)
+    except RuntimeError as error:
+        raise InvalidArgumentError(f"timm has no model '{name}' ({_first_line(error)}).") from error
+    if weights is not None:
+        model.load_state_dict(_state_dict(Path(weights)))
+    return Loaded(model.eval(), get_task("image-classification"), None, f"timm {name}")
+
+
+def _state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise InvalidArgumentError(f"weights '{path}' is not a file: give a state dict (.pt/.pth) or .safetensors.")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch and safetensors raise many types
+        raise InvalidArgumentError(f"weights '{path}' cannot be read ({_first_line(error)}).") from error
+
+
+def load_module(model: torch.nn.Module, task_name: str) -> Loaded:
+    """A transformers model in memory, for ``task_name`` (``'auto'``: its config's architectures)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        raise InvalidArgumentError(
+            f"source is a {type(model).__name__}, not a transformers model: export_pretrained builds inputs from a "
+            f"transformers config. Use export_onnx(model, sample, path) for your own module."
+        )
+    architectures = getattr(config, "architectures", None) or [type(model).__name__]
+    task = infer_task(architectures, vision=_takes_pixels(config), where=f"this {type(model).__name__}") \
+        if task_name == "auto" else get_task(task_name)
+    return Loaded(model, task, None, type(model).__name__)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__

@@ -1,0 +1,129 @@
+"""The tasks the front door exports, by transformers' pipeline names, and how a folder's task is told.
+
+A task names the transformers Auto class that loads the model and the kind of inputs it takes; a
+folder's task is read from ``architectures`` in its config.json, by the Auto mapping that lists
+that class (transformers' own tables: a new architecture needs no entry here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import InvalidArgumentError
+
+Modality = Literal["text", "choices", "vision", "audio", "text-vision"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One exportable task.
+
+    Attributes:
+        name: transformers' pipeline name (``'text-classification'``).
+        auto_class: the transformers class that loads it (``'AutoModelForSequenceClassification'``).
+        mapping: the ``modeling_auto`` table that lists its architectures, for ``task='auto'``.
+        modality: the inputs it takes: token ids (``'text'``), token ids per choice
+            (``'choices'``), pixels (``'vision'``), a waveform (``'audio'``) or text and pixels
+            with independent batches (``'text-vision'``); ``None`` to take the model's own.
+        outputs: the output fields the file gives, in order (the transformers output's names);
+            ``()`` for every tensor field the model returns.
+    """
+
+    name: str
+    auto_class: str
+    mapping: str
+    modality: Modality | None = None
+    outputs: tuple[str, ...] = ()
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("audio-classification", "AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+         "audio", ("logits",)),
+    Task("automatic-speech-recognition", "AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES", "audio", ("logits",)),
+    Task("fill-mask", "AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "text", ("logits",)),
+    Task("text-classification", "AutoModelForSequenceClassification",
+         "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "text", ("logits",)),
+    Task("token-classification", "AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+         "text", ("logits",)),
+    Task("question-answering", "AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "text",
+         ("start_logits", "end_logits")),
+    Task("multiple-choice", "AutoModelForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES", "choices",
+         ("logits",)),
+    Task("image-classification", "AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+         "vision", ("logits",)),
+    Task("object-detection", "AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES", "vision",
+         ("logits", "pred_boxes")),
+    Task("semantic-segmentation", "AutoModelForSemanticSegmentation",
+         "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES", "vision", ("logits",)),
+    Task("zero-shot-image-classification", "AutoModelForZeroShotImageClassification",
+         "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES", "text-vision",
+         ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")),
+    # the base models last: every architecture's bare model is listed here
+    Task("feature-extraction", "AutoModel", "MODEL_MAPPING_NAMES", "text"),
+    Task("image-feature-extraction", "AutoModel", "MODEL_MAPPING_NAMES", "vision"),
+)}
+
+#: Tasks another exporter takes, and what to use instead.
+ROUTED = {
+    "text-generation": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+                        "a causal LM generates with a key/value cache: use export_decoder (onnxport llm FOLDER -o OUT)"),
+    "text2text-generation": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                             "encoder-decoder models (T5, BART, Marian, ...) are not exported by onnxport yet"),
+    "automatic-speech-recognition (encoder-decoder)": (
+        "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+        "speech encoder-decoders (Whisper, ...) are not exported by onnxport yet; CTC models (Wav2Vec2, HuBERT) are"),
+}
+
+
+def task_names() -> list[str]:
+    return sorted(TASKS)
+
+
+def get_task(name: str) -> Task:
+    """The :class:`Task` of a pipeline name, or an error listing them."""
+    if name in TASKS:
+        return TASKS[name]
+    if name in ROUTED:
+        raise InvalidArgumentError(f"task={name!r}: {ROUTED[name][1]}.")
+    raise InvalidArgumentError(f"task={name!r} is not one onnxport exports; give one of: {', '.join(task_names())}, "
+                               f"or 'auto' to read it from config.json.")
+
+
+def _listed(mapping: str, architecture: str) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    table = getattr(modeling_auto, mapping, {})
+    for value in table.values():
+        names = (value,) if isinstance(value, str) else tuple(value)
+        if architecture in names:
+            return True
+    return False
+
+
+def infer_task(architectures: Sequence[str] | None, *, vision: bool, where: str) -> Task:
+    """The task of a config's ``architectures`` (its first entry), by the Auto table that lists it.
+
+    ``vision``: the bare model takes pixels (its base model is then image-feature-extraction).
+    """
+    if not architectures:
+        raise InvalidArgumentError(
+            f"{where} names no 'architectures', so its task cannot be told; pass task= one of: "
+            f"{', '.join(task_names())}."
+        )
+    architecture = architectures[0]
+    for routed, (mapping, advice) in ROUTED.items():
+        if _listed(mapping, architecture):
+            raise InvalidArgumentError(f"{where} holds a {architecture} ({routed}): {advice}.")
+    for task in TASKS.values():
+        if task.name == "feature-extraction" and vision:
+            continue
+        if task.name == "image-feature-extraction" and not vision:
+            continue
+        if _listed(task.mapping, architecture):
+            return task
+    raise InvalidArgumentError(
+        f"{where} holds a {architecture}, which no task onnxport exports lists; pass task= one of: "
+        f"{', '.join(task_names())}, if the model does one of them."
+    )

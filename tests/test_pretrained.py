@@ -1,0 +1,172 @@
+"""The front door: save_pretrained folders of several architectures and tasks, built here with random
+weights and local tokenizers, exported by export_pretrained and the CLI; the files read by the onnx
+checker, run by ONNX Runtime, and proven against the transformers model at two sizes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from onnxport import ONNXModel, export_pretrained
+from onnxport.compare.exported import FLOAT_FLOOR_MULTIPLE
+from onnxport.errors import InvalidArgumentError
+from tests import pretrained_folders as folders
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXPECTED = {  # task: (inputs, outputs)
+    "text-classification": (["input_ids", "attention_mask", "token_type_ids"], ["logits"]),
+    "question-answering": (["input_ids", "attention_mask"], ["start_logits", "end_logits"]),
+    "token-classification": (["input_ids", "attention_mask", "token_type_ids"], ["logits"]),
+    "image-classification": (["pixel_values"], ["logits"]),
+    "semantic-segmentation": (["pixel_values"], ["logits"]),
+    "automatic-speech-recognition": (["input_values"], ["logits"]),
+    "zero-shot-image-classification": (["input_ids", "attention_mask", "pixel_values"],
+                                       ["logits_per_image", "logits_per_text", "text_embeds", "image_embeds"]),
+}
+
+
+def _dims(value: onnx.ValueInfoProto) -> list:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+@pytest.mark.parametrize("name", sorted(folders.FOLDERS))
+def test_every_folder_exports_with_its_names_axes_and_proofs(tmp_path, name):
+    build, task = folders.FOLDERS[name]
+    source = build(tmp_path / "model")
+    result = export_pretrained(source, tmp_path / "out")  # task='auto': read from config.json
+    inputs, outputs = EXPECTED[task]
+    assert result.task == task and result.inputs == inputs and result.outputs == outputs
+    assert result.path == tmp_path / "out" / "model.onnx"
+    onnx.checker.check_model(str(result.path), full_check=True)
+    graph = onnx.load(str(result.path), load_external_data=False).graph
+    assert [v.name for v in graph.input] == inputs and [v.name for v in graph.output] == outputs
+    for value in graph.input:  # batch (and sequence, audio length) symbolic, as the record says
+        for axis, label in result.axes[value.name].items():
+            assert _dims(value)[axis] == label
+    assert result.axes[inputs[0]][0] in ("batch", "text_batch")
+    # proven at two sizes of every symbolic axis, each output within the model's own float floor
+    assert [p["size"] for p in result.proofs] == ["sample", "one longer on every symbolic axis"]
+    for proof in result.proofs:
+        assert proof["passed"] and {o["name"] for o in proof["outputs"]} == set(outputs)
+        for o in proof["outputs"]:
+            assert o["float_distance"] <= FLOAT_FLOOR_MULTIPLE * max(o["float_floor"], 2**-24)
+    record = json.loads((tmp_path / "out" / "onnxport.json").read_text())
+    assert record["task"] == task and [i["name"] for i in record["inputs"]] == inputs
+    assert record["outputs"] == outputs and record["quantization"] is None and len(record["proofs"]) == 2
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_int8_from_a_text_file(tmp_path):
+    source = folders.bert(tmp_path / "bert")
+    lines = tmp_path / "calibration.txt"
+    lines.write_text("\n".join(f"the model w{i} is good w{i + 3} file" for i in range(24)) + "\n\n")
+    result = export_pretrained(source, tmp_path / "out", quantize="int8", calibration=lines)
+    assert result.quantization == {"scheme": "pt2e static INT8", "target": "onnxruntime", "calibration_batches": 3}
+    graph = onnx.load(str(result.path), load_external_data=False).graph
+    assert [v.name for v in graph.input] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
+    assert sum(n.op_type == "QuantizeLinear" for n in graph.node) > 4
+    # proven against its pt2e model within twice that model's own rounding floor (or cosine >= 0.9999)
+    (proof,) = result.proofs
+    for o in proof["outputs"]:
+        assert o["cosine_similarity"] >= 0.9999 or 1 - o["cosine_similarity"] <= 2 * (1 - min(o["rounding_floor"]))
+
+
+def test_the_file_runs_with_the_folders_tokenizer(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    source = folders.bert(tmp_path / "bert")
+    result = export_pretrained(source, tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")  # copied beside the file
+    encoded = tokenizer(["the model is good", "a bad file w3 w4 w5 w6 w7"], padding=True, return_tensors="np")
+    logits = ONNXModel(result.path)(**dict(encoded))
+    model = AutoModelForSequenceClassification.from_pretrained(source).eval()
+    with torch.no_grad():
+        expected = model(**{k: torch.from_numpy(v) for k, v in encoded.items()}).logits.numpy()
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def _refused(tmp_path: Path, match: str, source, **kwargs) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(InvalidArgumentError, match=match):
+        export_pretrained(source, out, **kwargs)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_bad_sources_are_refused_by_name_with_nothing_written(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _refused(tmp_path, "has no config.json", empty)
+    _refused(tmp_path, "is not a folder", tmp_path / "missing")
+    source = folders.bert(tmp_path / "bert", tokenizer=False)
+    _refused(tmp_path, "task='summarize' is not one onnxport exports; give one of: audio-classification", source,
+             task="summarize")
+    _refused(tmp_path, "text-generation.*export_decoder", source, task="text-generation")
+    _refused(tmp_path, "needs calibration data", source, quantize="int8")
+    _refused(tmp_path, r"calibration 'x\.csv' does not exist", source, quantize="int8", calibration="x.csv")
+    bad = tmp_path / "data.csv"
+    bad.write_text("1,2,3\n")
+    _refused(tmp_path, r"is a \.csv file; give a text file", source, quantize="int8", calibration=bad)
+    text = tmp_path / "calibration.txt"
+    text.write_text("the model is good\n")
+    _refused(tmp_path, "needs a tokenizer", source, quantize="int8", calibration=text)
+
+
+def test_custom_code_is_refused_unless_trusted_and_nothing_from_the_folder_runs(tmp_path):
+    source = folders.bert(tmp_path / "bert", tokenizer=False)
+    config = json.loads((source / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "evil.Model"}
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    _refused(tmp_path, "names custom code.*trust_remote_code=True", source)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_unreadable_weights_and_an_unknown_architecture_are_named(tmp_path):
+    source = folders.bert(tmp_path / "bert", tokenizer=False)
+    (source / "model.safetensors").write_bytes(b"not safetensors")
+    _refused(tmp_path, "the weights in .* cannot be", source)
+    causal = tmp_path / "causal"
+    shutil.copytree(folders.bert(tmp_path / "bert2", tokenizer=False), causal)
+    config = json.loads((causal / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForTeleportation"]
+    (causal / "config.json").write_text(json.dumps(config))
+    _refused(tmp_path, "NoSuchModelForTeleportation, which no task onnxport exports lists", causal)
+
+
+def test_an_existing_output_folder_keeps_its_other_files(tmp_path):
+    source = folders.vit(tmp_path / "vit")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+    result = export_pretrained(source, out)
+    assert (out / "README.md").read_text() == "mine" and result.path.is_file()
+    assert (out / "preprocessor_config.json").is_file()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxport", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600, check=False)
+
+
+def test_the_cli_exports_a_folder_in_one_command_and_refuses_with_exit_2(tmp_path):
+    source = folders.convnext(tmp_path / "convnext")
+    done = _cli("export", str(source), "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "image-classification" in done.stdout and "proven at the sample size" in done.stdout
+    assert (tmp_path / "out" / "model.onnx").is_file() and (tmp_path / "out" / "onnxport.json").is_file()
+    refused = _cli("export", str(source), "-o", str(tmp_path / "out2"), "--quantize", "int8")
+    assert refused.returncode == 2 and "needs calibration data" in refused.stderr and "Traceback" not in refused.stderr
+    wrong = _cli("export", str(source), "-o", str(tmp_path / "out3"), "--input-shape", "1,3,64,64")
+    assert wrong.returncode == 2 and "--input-shape is for package.module:callable" in wrong.stderr
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
