@@ -20,7 +20,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 from onnxport import encodings_to_onnx_qdq, save_model
-from onnxport.encodings import convert, formats
+from onnxport.encodings import convert, formats, reading
 from onnxport.encodings.formats import Encoding
 from onnxport.errors import InvalidArgumentError
 from tests.conftest import listing
@@ -167,10 +167,10 @@ def test_a_streamed_encodings_file_converts_exactly_like_a_loaded_one(strategy, 
         path = tmp_path / "m.encodings"
         path.write_text(json.dumps(data))
         loaded = encodings_to_onnx_qdq(MODEL, str(path))
-        monkeypatch.setattr(formats, "STREAM_ABOVE_BYTES", 0)
+        monkeypatch.setattr(reading, "STREAM_ABOVE_BYTES", 0)
         assert isinstance(formats.load_encodings(str(path)), formats.StreamedEncodings)
         streamed = encodings_to_onnx_qdq(MODEL, str(path))
-        monkeypatch.setattr(formats, "STREAM_ABOVE_BYTES", 64 * 2**20)
+        monkeypatch.setattr(reading, "STREAM_ABOVE_BYTES", 64 * 2**20)
         assert streamed.SerializeToString() == loaded.SerializeToString()
 
     check()
@@ -184,7 +184,7 @@ def test_a_streamed_encodings_file_converts_exactly_like_a_loaded_one(strategy, 
     ('{"version": "2.0.0", "encodings": [{"name": "x", "output_dtype": "uint8", "y_scale": "0.1"}]}', "'x'.*string"),
 ])
 def test_a_streamed_file_refuses_what_a_loaded_one_refuses(text, message, tmp_path, monkeypatch):
-    monkeypatch.setattr(formats, "STREAM_ABOVE_BYTES", 0)
+    monkeypatch.setattr(reading, "STREAM_ABOVE_BYTES", 0)
     path = tmp_path / "bad.encodings"
     path.write_text(text)
     with pytest.raises(InvalidArgumentError, match=message):
