@@ -23,7 +23,9 @@ class Adapter:
     prepare: Callable[[torch.nn.Module], None] = lambda model: None
 
 
-DEFAULT = Adapter()
+#: transformers' eager attention: SDPA's export carries a NaN guard per attention (IsNaN and Where
+#: after its softmax) that ONNX Runtime runs on every call; the eager form is the plain three ops
+DEFAULT = Adapter(load_kwargs={"attn_implementation": "eager"})
 ADAPTERS: dict[str, Adapter] = {}
 
 

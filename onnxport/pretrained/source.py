@@ -91,8 +91,15 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
 
     auto = getattr(transformers, task.auto_class)
     try:
-        model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                     trust_remote_code=trust_remote_code, **adapter.load_kwargs)
+        try:
+            model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                         trust_remote_code=trust_remote_code, **adapter.load_kwargs)
+        except ValueError as error:
+            if "attn_implementation" not in adapter.load_kwargs or "attn" not in str(error).lower():
+                raise
+            # a family without that attention implementation: its own default
+            model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                         trust_remote_code=trust_remote_code)
     except ValueError as error:  # the Auto class does not know this config for this task
         raise InvalidArgumentError(
             f"task={task.name!r} does not fit the {getattr(config, 'model_type', '?')} model in '{folder}' "
