@@ -161,8 +161,9 @@ MODULE_QUANTIZE = ("dynamic", "static")
 
 
 def _pretrained_source(spec: str) -> bool:
-    """A save_pretrained folder or ``timm:NAME`` (the front door), not ``package.module:callable``."""
-    return spec.startswith("timm:") or Path(spec).is_dir()
+    """A save_pretrained folder or ``timm:NAME`` (the front door), not ``package.module:callable`` or a
+    ``.pt2`` program (a folder named so is a broken MODEL, and named as one)."""
+    return spec.startswith("timm:") or (Path(spec).is_dir() and not spec.endswith(".pt2"))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
