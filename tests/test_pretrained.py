@@ -113,6 +113,9 @@ def test_bad_sources_are_refused_by_name_with_nothing_written(tmp_path):
              task="summarize")
     _refused(tmp_path, "text-generation.*export_decoder", source, task="text-generation")
     _refused(tmp_path, "needs calibration data", source, quantize="int8")
+    for scheme in ("dynamic", "int4", "int8-weight-only"):  # not proven through the front door yet: refused by name
+        _refused(tmp_path, f"quantize='{scheme}' is not available through export_pretrained yet", source,
+                 quantize=scheme)
     _refused(tmp_path, r"calibration 'x\.csv' does not exist", source, quantize="int8", calibration="x.csv")
     bad = tmp_path / "data.csv"
     bad.write_text("1,2,3\n")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,8 +21,17 @@ from .inputs import Signature, build_signature
 from .source import COMPANION_FILES, TIMM_PREFIX, Loaded, load_folder, load_module, load_timm
 from .tasks import Task, get_task
 
-Quantize = Literal["int8", "dynamic", "int4", "int8-weight-only"]
-QUANTIZE_CHOICES = ("int8", "dynamic", "int4", "int8-weight-only")
+Quantize = Literal["int8"]
+QUANTIZE_CHOICES = ("int8",)
+#: Schemes the front door does not write yet, and what to use meanwhile.
+NOT_YET = {
+    "dynamic": "ONNX Runtime's dynamic quantizer fails its symbolic shape inference on files with a symbolic "
+               "sequence; use quantize='int8' (static, calibrated)",
+    "int4": "torchao weight-only files of a task model are not proven through the front door yet; use "
+            "Quantizer(backend='torchao') and export_qdq, or export_decoder for causal LMs",
+    "int8-weight-only": "torchao weight-only files of a task model are not proven through the front door yet; use "
+                        "Quantizer(backend='torchao') and export_qdq, or export_decoder for causal LMs",
+}
 MODEL_FILE = "model.onnx"
 RECORD_FILE = "onnxport.json"
 #: Calibration samples used when none is said (the pt2e observers settle within a few dozen).
@@ -166,9 +174,9 @@ def export_pretrained(
             on a refusal it is left as it was.
         task: a transformers pipeline name (``onnxport.pretrained.TASKS``), or ``'auto'`` to read it
             from ``architectures`` in config.json.
-        quantize: ``None`` (float), ``'int8'`` (pt2e static INT8 with the target's rules, needs
-            ``calibration``), ``'dynamic'`` (ONNX Runtime's dynamic INT8 of the float file),
-            ``'int4'`` / ``'int8-weight-only'`` (torchao weight-only).
+        quantize: ``None`` (float) or ``'int8'`` (pt2e static INT8 with the target's rules, needs
+            ``calibration``). ``'dynamic'``, ``'int4'`` and ``'int8-weight-only'`` are refused by name
+            for now, with what to use instead.
         calibration: for ``'int8'``: a text file (one sample a line, tokenized with the folder's
             tokenizer), a folder of images or .wav/.flac files, a .npz (one array per input), or a
             list of dicts of arrays.
@@ -185,6 +193,9 @@ def export_pretrained(
     folder = check_output_folder(output_dir)
     if task != "auto":
         get_task(task)  # an unknown task is named, with the list, before anything is loaded
+    if quantize in NOT_YET:
+        raise InvalidArgumentError(f"quantize={quantize!r} is not available through export_pretrained yet: "
+                                   f"{NOT_YET[quantize]}.")
     if quantize is not None:
         check_choice(quantize, QUANTIZE_CHOICES, "quantize")
     if quantize == "int8" and calibration is None:
@@ -227,33 +238,18 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
     from ..export import export_onnx
 
     sample = signature.as_dict()
-    if quantize in (None, "dynamic"):
-        with warnings.catch_warnings():
-            # the front door's proof below replaces export_onnx's own advice on the file
-            warnings.filterwarnings("ignore", message="calibration_data is only used")
-            export_onnx(wrapper, sample, path, opset_version=opset_version or 17, dynamic_axes=signature.axes,
-                        output_names=signature.outputs, quantize=quantize == "dynamic")
-        if quantize == "dynamic":
-            return {"scheme": "ONNX Runtime dynamic INT8 (quantize_dynamic of the proven float graph)",
-                    "weight_range": "portable"}, []
+    if quantize is None:
+        export_onnx(wrapper, sample, path, opset_version=opset_version or 17, dynamic_axes=signature.axes,
+                    output_names=signature.outputs)
         return None, _prove_float(wrapper, path, signature)
     from ..qdq.export import export_qdq
     from ..quantize import Quantizer
 
-    if quantize == "int8":
-        quantizer = Quantizer(target=target or "onnxruntime")
-        quantized = quantizer.quantize(wrapper, batches, dynamic_axes=signature.axes)
-        export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
-                   dynamic_batch=True)
-        proofs = [_prove_qdq(quantized, path, sample)]
-        return {"scheme": "pt2e static INT8", "target": target or "onnxruntime",
-                "calibration_batches": len(batches or [])}, proofs
-    method = "int4_weight_only" if quantize == "int4" else "int8_weight_only"
-    quantized = Quantizer(backend="torchao", method=method, group_size=32 if quantize == "int4" else None) \
-        .quantize(wrapper)
+    quantized = Quantizer(target=target or "onnxruntime").quantize(wrapper, batches, dynamic_axes=signature.axes)
     export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
-               dynamic_axes=signature.axes)
-    return {"scheme": f"torchao {method}"}, []
+               dynamic_batch=True)
+    return ({"scheme": "pt2e static INT8", "target": target or "onnxruntime", "calibration_batches": len(batches or [])},
+            [_prove_qdq(quantized, path, sample)])
 
 
 def _prove_qdq(quantized: Any, path: Path, sample: dict[str, torch.Tensor]) -> dict[str, Any]:
