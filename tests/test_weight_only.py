@@ -289,3 +289,26 @@ def test_weights_with_no_faithful_form_are_refused_by_name(tmp_path, monkeypatch
     with pytest.raises(InvalidArgumentError, match=message):
         make()
     assert list(tmp_path.iterdir()) == []
+
+
+class _KeywordLinears(torch.nn.Module):
+    """Called with keyword inputs, as Hugging Face models are; the second input is optional."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x, scale=None):
+        y = self.b(torch.relu(self.a(x)))
+        return y if scale is None else y * scale
+
+
+def test_a_weight_only_model_called_with_keyword_inputs_stores_every_weight(tmp_path):
+    # the stand-in copy must take the keyword inputs itself: a forward replaced on the model for
+    # them, copied along, would call the model whose torchao weights the stand-ins replace
+    torch.manual_seed(0)
+    quantized = Quantizer(backend="torchao", method="int4_weight_only", group_size=32).quantize(_KeywordLinears().eval())
+    path = export_qdq(quantized, {"x": torch.randn(2, 64)}, tmp_path / "kw.onnx")
+    graph = onnx.load(str(path)).graph
+    assert [v.name for v in graph.input] == ["x"]
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 2

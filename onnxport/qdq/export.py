@@ -277,7 +277,7 @@ def _export_weight_only_checked(
 ) -> Path:
     """The weight-only path of :func:`export_qdq`: validate everything, then export, write, check."""
     from .._export_torch import check_names
-    from .._inputs import forward_aliases, positional_forward
+    from .._inputs import forward_aliases
 
     precision = spec.describe() if spec is not None else "torchao weight-only"
     if activation_dtype is not None:
@@ -302,11 +302,10 @@ def _export_weight_only_checked(
     axes = resolve_axes(dynamic_axes, dynamic_batch=dynamic_batch, names=in_names, inputs=inputs,
                         aliases=forward_aliases(model, in_names, keywords))
 
-    with positional_forward(model, keywords):
-        export_weight_only(
-            model, inputs, target, weights=weights, opset_version=opset_version, in_names=in_names,
-            out_names=None if output_names is None else list(output_names), axes=axes,
-        )
+    export_weight_only(
+        model, inputs, target, weights=weights, opset_version=opset_version, in_names=in_names,
+        out_names=None if output_names is None else list(output_names), axes=axes, keywords=keywords,
+    )
     return target
 
 

@@ -434,28 +434,32 @@ def export_weight_only(
     in_names: list[str],
     out_names: list[str] | None,
     axes: dict,
+    keywords: tuple[str, ...] | None = None,
 ) -> None:
     """Write a weight-only model to ``target`` through the engine: its steps, one write, and the
-    file proven by the rules below (the integers, the agreement, what ORT fuses)."""
+    file proven by the rules below (the integers, the agreement, what ORT fuses). ``keywords``: the
+    names of keyword inputs, which the model (and its stand-in copy) then takes positionally."""
     from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
-    from .._inputs import flatten_outputs
+    from .._inputs import flatten_outputs, positional_forward
     from .._torch import eval_mode
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
 
-    with eval_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad(), positional_forward(model, keywords):
         reference = [t.detach().cpu().numpy() for t in flatten_outputs(model(*inputs))]
     out_names = check_names(out_names, len(reference), "output_names", "output")
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(in_names, inputs)}
     references = [reference]
     if axes:  # the promise of every symbolic axis: the file agrees at a second size too
         grown = second_size(feeds, axes)
-        with eval_mode(model), torch.no_grad():
+        with eval_mode(model), torch.no_grad(), positional_forward(model, keywords):
             references.append([t.detach().cpu().numpy() for t in flatten_outputs(model(*(torch.from_numpy(v) for v in grown.values())))])
 
     def capture() -> ir.Model:
+        # the copy is made from the model as it is: a forward replaced for keyword inputs would be
+        # copied with it and call the original model, whose weights the stand-ins replace
         stand_ins = export_copy(model, weights)
-        with eval_mode(stand_ins):
+        with eval_mode(stand_ins), positional_forward(stand_ins, keywords):
             return torch_program(
                 stand_ins, inputs, opset_version=max(opset_version, EXPORTER_MIN_OPSET), input_names=in_names,
                 output_names=out_names, axes=axes,
