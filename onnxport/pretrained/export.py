@@ -27,10 +27,11 @@ QUANTIZE_CHOICES = ("int8",)
 NOT_YET = {
     "dynamic": "ONNX Runtime's dynamic quantizer fails its symbolic shape inference on files with a symbolic "
                "sequence; use quantize='int8' (static, calibrated)",
-    "int4": "torchao weight-only files of a task model are not proven through the front door yet; use "
-            "Quantizer(backend='torchao') and export_qdq, or export_decoder for causal LMs",
-    "int8-weight-only": "torchao weight-only files of a task model are not proven through the front door yet; use "
-                        "Quantizer(backend='torchao') and export_qdq, or export_decoder for causal LMs",
+    "int4": "torchao weight-only files of a task model are not proven through the front door yet (same-shaped "
+            "layers can lose their weight's DequantizeLinear); use export_decoder for causal LMs",
+    "int8-weight-only": "torchao weight-only files of a task model are not proven through the front door yet "
+                        "(same-shaped layers can lose their weight's DequantizeLinear); use export_decoder for "
+                        "causal LMs",
 }
 MODEL_FILE = "model.onnx"
 RECORD_FILE = "onnxport.json"
