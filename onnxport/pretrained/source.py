@@ -120,9 +120,11 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
 
 
 def _takes_pixels(config: Any) -> bool:
-    main = getattr(config, "model_type", "")
-    return hasattr(config, "image_size") and hasattr(config, "num_channels") and not hasattr(config, "vocab_size") \
-        or main in ("resnet", "convnext", "convnextv2", "regnet", "mobilenet_v2", "efficientnet", "bit")
+    """Whether the model family reads pixels, by transformers' own table of vision models (a bare
+    vision model's task is then image-feature-extraction, not feature-extraction)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_MAPPING_NAMES
+
+    return getattr(config, "model_type", "") in MODEL_FOR_IMAGE_MAPPING_NAMES
 
 
 def load_timm(spec: str, weights: str | os.PathLike | None) -> Loaded:
