@@ -82,6 +82,28 @@ def test_int8_from_a_text_file(tmp_path):
         assert o["cosine_similarity"] >= 0.9999 or 1 - o["cosine_similarity"] <= 2 * (1 - min(o["rounding_floor"]))
 
 
+@pytest.mark.parametrize("scheme, bits, group", [("int4", 4, 32), ("int8-weight-only", 8, None)])
+def test_weight_only_needs_no_calibration_and_keeps_torchaos_integers(tmp_path, scheme, bits, group):
+    from onnxport.pretrained.export import int4_group
+
+    source = folders.bert(tmp_path / "bert")
+    result = export_pretrained(source, tmp_path / "out", quantize=scheme)
+    expected = {"scheme": f"torchao int{bits}_weight_only", **({"group_size": group} if group else {})}
+    assert result.quantization == expected
+    graph = onnx.load(str(result.path), load_external_data=False).graph
+    assert [v.name for v in graph.input] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
+    integer_type = onnx.TensorProto.INT4 if bits == 4 else onnx.TensorProto.INT8
+    weights = [t for t in graph.initializer if t.data_type == integer_type]
+    # every Linear of the 2-layer BERT (6 per layer), its pooler and its classifier
+    assert len(weights) == sum(n.op_type == "DequantizeLinear" for n in graph.node) == 14
+    (proof,) = result.proofs  # within twice the torchao model's own rounding floor, as the file's ONNX semantics
+    assert proof["passed"] and all(o["passed"] for o in proof["outputs"])
+    # int4 groups: 128 input features, or the largest power of two dividing every width (32 here)
+    assert int4_group(torch.nn.Sequential(torch.nn.Linear(256, 8), torch.nn.Linear(384, 8))) == 128
+    assert int4_group(torch.nn.Sequential(torch.nn.Linear(48, 8), torch.nn.Linear(96, 8))) == 16
+
+
 def test_the_file_runs_with_the_folders_tokenizer(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -113,9 +135,10 @@ def test_bad_sources_are_refused_by_name_with_nothing_written(tmp_path):
              task="summarize")
     _refused(tmp_path, "text-generation.*export_decoder", source, task="text-generation")
     _refused(tmp_path, "needs calibration data", source, quantize="int8")
-    for scheme in ("dynamic", "int4", "int8-weight-only"):  # not proven through the front door yet: refused by name
-        _refused(tmp_path, f"quantize='{scheme}' is not available through export_pretrained yet", source,
-                 quantize=scheme)
+    _refused(tmp_path, "quantize='dynamic' is not available through export_pretrained yet", source,
+             quantize="dynamic")
+    _refused(tmp_path, "calibration is only read with quantize='int8'", source, quantize="int4",
+             calibration=tmp_path / "calibration.txt")
     _refused(tmp_path, r"calibration 'x\.csv' does not exist", source, quantize="int8", calibration="x.csv")
     bad = tmp_path / "data.csv"
     bad.write_text("1,2,3\n")

@@ -312,3 +312,29 @@ def test_a_weight_only_model_called_with_keyword_inputs_stores_every_weight(tmp_
     graph = onnx.load(str(path)).graph
     assert [v.name for v in graph.input] == ["x"]
     assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 2
+
+
+class _SameShapedLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_small_same_shaped_weights_keep_one_dequantizer_each(tmp_path):
+    # the exporter's optimizer merges equal initializers up to 1024 elements: stand-ins left empty
+    # often share zeroed pages, and merged, one layer's DequantizeLinear went missing
+    from onnxport.qdq.weight_only import export_copy
+
+    torch.manual_seed(0)
+    quantized = Quantizer(backend="torchao", method="int8_weight_only").quantize(_SameShapedLinears().eval())
+    weights = quantized_weights(quantized)
+    stand_ins = [layer.weight_t for layer in export_copy(quantized, weights).layers]
+    assert all(not torch.equal(a, b) for i, a in enumerate(stand_ins) for b in stand_ins[i + 1:])
+    for attempt in range(2):  # a second export in one process is where it showed
+        path = export_qdq(quantized, torch.randn(2, 16), tmp_path / f"same{attempt}.onnx")
+        assert sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(path)).graph.node) == 4

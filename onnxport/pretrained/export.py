@@ -21,17 +21,17 @@ from .inputs import Signature, build_signature
 from .source import COMPANION_FILES, TIMM_PREFIX, Loaded, load_folder, load_module, load_timm
 from .tasks import Task, get_task
 
-Quantize = Literal["int8"]
-QUANTIZE_CHOICES = ("int8",)
+Quantize = Literal["int8", "int4", "int8-weight-only"]
+QUANTIZE_CHOICES = ("int8", "int4", "int8-weight-only")
+#: The torchao weight-only recipe behind each weight-only choice.
+WEIGHT_ONLY = {"int4": "int4_weight_only", "int8-weight-only": "int8_weight_only"}
+#: int4 weights get one scale per this many input features, or the largest power of two below it
+#: that divides every Linear's width (a small model's layers can be narrower).
+INT4_GROUP = 128
 #: Schemes the front door does not write yet, and what to use meanwhile.
 NOT_YET = {
     "dynamic": "ONNX Runtime's dynamic quantizer fails its symbolic shape inference on files with a symbolic "
-               "sequence; use quantize='int8' (static, calibrated)",
-    "int4": "torchao weight-only files of a task model are not proven through the front door yet (same-shaped "
-            "layers can lose their weight's DequantizeLinear); use export_decoder for causal LMs",
-    "int8-weight-only": "torchao weight-only files of a task model are not proven through the front door yet "
-                        "(same-shaped layers can lose their weight's DequantizeLinear); use export_decoder for "
-                        "causal LMs",
+               "sequence; use quantize='int8' (static, calibrated) or 'int8-weight-only' (no calibration)",
 }
 MODEL_FILE = "model.onnx"
 RECORD_FILE = "onnxport.json"
@@ -175,9 +175,11 @@ def export_pretrained(
             on a refusal it is left as it was.
         task: a transformers pipeline name (``onnxport.pretrained.TASKS``), or ``'auto'`` to read it
             from ``architectures`` in config.json.
-        quantize: ``None`` (float) or ``'int8'`` (pt2e static INT8 with the target's rules, needs
-            ``calibration``). ``'dynamic'``, ``'int4'`` and ``'int8-weight-only'`` are refused by name
-            for now, with what to use instead.
+        quantize: ``None`` (float); ``'int8'`` (pt2e static INT8 with the target's rules, needs
+            ``calibration``); ``'int4'`` or ``'int8-weight-only'`` (torchao weight-only Linear layers,
+            activations float, no calibration: int4 in groups of 128 input features, or the largest
+            power of two that divides every Linear's width; int8 one scale per output channel).
+            ``'dynamic'`` is refused by name for now, with what to use instead.
         calibration: for ``'int8'``: a text file (one sample a line, tokenized with the folder's
             tokenizer), a folder of images or .wav/.flac files, a .npz (one array per input), or a
             list of dicts of arrays.
@@ -202,7 +204,7 @@ def export_pretrained(
     if quantize == "int8" and calibration is None:
         raise InvalidArgumentError(
             "quantize='int8' needs calibration data: a text file (one sample a line), a folder of images or audio, "
-            "a .npz, or a list of dicts; or use quantize='dynamic', which needs none."
+            "a .npz, or a list of dicts; or use quantize='int8-weight-only', which needs none."
         )
     if calibration is not None and quantize != "int8":
         raise InvalidArgumentError(f"calibration is only read with quantize='int8', and quantize={quantize!r}.")
@@ -246,6 +248,8 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
     from ..qdq.export import export_qdq
     from ..quantize import Quantizer
 
+    if quantize in WEIGHT_ONLY:
+        return _write_weight_only(wrapper, signature, path, quantize, opset_version)
     quantized = Quantizer(target=target or "onnxruntime").quantize(wrapper, batches, dynamic_axes=signature.axes)
     export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
                dynamic_batch=True)
@@ -253,15 +257,43 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
             [_prove_qdq(quantized, path, sample)])
 
 
-def _prove_qdq(quantized: Any, path: Path, sample: dict[str, torch.Tensor]) -> dict[str, Any]:
+def int4_group(model: torch.nn.Module) -> int:
+    """:data:`INT4_GROUP`, or the largest power of two below it dividing every Linear's width."""
+    group = INT4_GROUP
+    widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    while group > 1 and any(width % group for width in widths):
+        group //= 2
+    return group
+
+
+def _write_weight_only(wrapper: TaskOutputs, signature: Signature, path: Path, quantize: str,
+                       opset_version: int | None) -> tuple[dict, list]:
+    """torchao weight-only: export_qdq proves the integers are torchao's and the agreement at two
+    sizes; the file is then held to the torchao model's rounding floor at the sample's size."""
+    from ..qdq.export import export_qdq
+    from ..quantize import Quantizer
+
+    method = WEIGHT_ONLY[quantize]
+    options: dict[str, Any] = {"group_size": int4_group(wrapper)} if quantize == "int4" else {}
+    quantized = Quantizer(backend="torchao", method=method, **options).quantize(wrapper)
+    sample = signature.as_dict()
+    export_qdq(quantized, sample, path, output_names=signature.outputs, dynamic_axes=signature.axes,
+               opset_version=opset_version)
+    # unoptimised: the file's own semantics (ORT's MatMulNBits computes int8 activations by default)
+    return ({"scheme": f"torchao {method}", **options}, [_prove_qdq(quantized, path, sample, optimized=False)])
+
+
+def _prove_qdq(quantized: Any, path: Path, sample: dict[str, torch.Tensor], *,
+               optimized: bool | None = None) -> dict[str, Any]:
+    """The quantized file within twice its quantized model's rounding floor (``compare_qdq``)."""
     from ..qdq.verify import compare_qdq
 
-    report = compare_qdq(quantized, path, sample, rounding_floor=True)
+    report = compare_qdq(quantized, path, sample, rounding_floor=True, optimized=optimized)
     record = _proof_record("sample", sample, report)
     failing = [o.name for o in report.outputs if o.within_floor is False]
     if failing:
         raise ExportRefusedError(
-            f"The INT8 file is beyond twice its model's rounding floor on {failing}:\n{report}\nNothing was kept."
+            f"The quantized file is beyond twice its model's rounding floor on {failing}:\n{report}\nNothing was kept."
         )
     return record
 

@@ -153,13 +153,27 @@ def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
     return found
 
 
+#: Initializers up to this many elements can be merged by the exporter's optimizer when their
+#: contents are equal (onnx_ir's DeduplicateInitializersPass reaches 1024); stand-ins this small get
+#: distinct contents so that each keeps its own place in the graph.
+DISTINCT_BELOW = 1 << 16
+
+
+def _placeholder(shape: tuple[int, ...], tag: int) -> torch.Tensor:
+    """A stand-in weight. A large one is never written to: its pages are not touched, so a large
+    model costs no memory here. A small one is filled with ``tag``: left empty, same-shaped stand-ins
+    often hold the same (zeroed) pages, and the exporter then merges them into one initializer."""
+    if int(np.prod(shape)) <= DISTINCT_BELOW:
+        return torch.full(shape, float(tag))
+    return torch.empty(shape)
+
+
 class _MatMulStandIn(torch.nn.Module):
     """A quantized Linear as the exporter should see it: ``x @ W[in, out] + b``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, tag: int) -> None:
         super().__init__()
-        # Never written to: its pages are not touched, so a large model costs no memory here.
-        self.register_buffer("weight_t", torch.empty(in_features, out_features), persistent=False)
+        self.register_buffer("weight_t", _placeholder((in_features, out_features), tag), persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,9 +182,9 @@ class _MatMulStandIn(torch.nn.Module):
 
 
 class _GatherStandIn(torch.nn.Module):
-    def __init__(self, num: int, dim: int) -> None:
+    def __init__(self, num: int, dim: int, tag: int) -> None:
         super().__init__()
-        self.register_buffer("weight", torch.empty(num, dim), persistent=False)
+        self.register_buffer("weight", _placeholder((num, dim), tag), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.weight)
@@ -181,15 +195,15 @@ def export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch
     memo: dict[int, Any] = {id(t): t for t in model.parameters()}
     memo.update({id(t): t for t in model.buffers()})
     work = copy.deepcopy(model, memo)
-    for w in weights:
+    for tag, w in enumerate(weights, start=1):
         parent_name, _, leaf = w.module.rpartition(".")
         parent = work.get_submodule(parent_name) if parent_name else work
         layer = getattr(parent, leaf)
         stand_in: torch.nn.Module
         if w.kind == "linear":
-            stand_in = _MatMulStandIn(layer.in_features, layer.out_features, layer.bias)
+            stand_in = _MatMulStandIn(layer.in_features, layer.out_features, layer.bias, tag)
         else:
-            stand_in = _GatherStandIn(layer.num_embeddings, layer.embedding_dim)
+            stand_in = _GatherStandIn(layer.num_embeddings, layer.embedding_dim, tag)
         setattr(parent, leaf, stand_in)
     return work
 
