@@ -47,6 +47,8 @@ def model_qparams(model: torch.nn.Module) -> tuple[set[QParams], set[QParams]]:
     for node in pt2e_qdq_nodes(model):
         name = node.target.__name__ if hasattr(node.target, "__name__") else str(node.target)
         if name.startswith("quantize_per_tensor"):
+            if isinstance(node.args[1], torch.fx.Node):
+                continue  # a scale computed at run time (activations='dynamic'): nothing stored to compare
             scale, zp, _, _, dtype = node.args[1:6]
             activations.add(("per_tensor", float(np.float32(scale)), int(zp), _TORCH_TO_ONNX[dtype]))
         elif name.startswith("dequantize_per_channel"):

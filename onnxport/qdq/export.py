@@ -17,6 +17,7 @@ from ..errors import ExportRefusedError, InvalidArgumentError
 from ..passes.bias_skip_norm import BiasSkipLayerNormPass
 from ..passes.contrib_gelu import BiasFastGeluPass, BiasGeluPass, DequantizedGeluPass
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
+from ..passes.dynamic_matmul import DynamicQuantizePass, MatMulIntegerPass
 from ..passes.fold_bias_shift import FoldBiasIntoShiftPass
 from ..passes.fold_pad import FoldPadIntoConvPass
 from ..passes.fold_weight_transpose import FoldWeightTransposePass
@@ -170,6 +171,12 @@ def export_qdq(
             keywords=keywords,
         )
     preset = spec.target if spec is not None else None
+    dynamic = spec is not None and spec.dynamic_activations and spec.has_qdq_form
+    if dynamic and activation_dtype not in (None, "uint8"):
+        raise InvalidArgumentError(
+            f"activation_dtype={activation_dtype!r}: this model quantizes its activations at run time, which ONNX "
+            f"DynamicQuantizeLinear does in uint8 only. Drop activation_dtype."
+        )
     defaults = get_target(preset).defaults
     default_opset = defaults.opset_for(spec.activation_bits if spec is not None else None)
     activation_dtype = defaults.activation_dtype if activation_dtype is None else activation_dtype
@@ -185,20 +192,66 @@ def export_qdq(
 
     def capture() -> ir.Model:
         with eval_mode(model):
-            return torch_program(
+            captured = torch_program(
                 model, inputs, opset_version=opset_version, input_names=in_names, output_names=out_names,
-                axes=axes, custom_translation_table=translation_table(),
+                axes=axes, custom_translation_table=translation_table(dynamic=dynamic),
             ).model
+        if dynamic:  # part of the translation: the graph is not valid ONNX before it
+            DynamicQuantizePass()(captured)
+        return captured
 
+    steps = dynamic_steps(opset_version) if dynamic else qdq_steps(opset_version, activation_dtype, defaults)
     plan = ExportPlan(
-        "export_qdq", opset_version, feeds, capture, qdq_steps(opset_version, activation_dtype, defaults), axes=axes,
-        captured_proofs=[check_standard_qdq, lambda produced: check_faithful(produced, expected)],
+        "export_qdq", opset_version, feeds, capture, steps, axes=axes,
+        captured_proofs=[*([] if dynamic else [check_standard_qdq]), lambda produced: check_faithful(produced, expected)],
         # the record check_target reads: which weight rule the file follows
         metadata={WEIGHT_RANGE_KEY: spec.weight_range} if spec is not None else {},
-        rules=_record_rules(spec, preset),
+        rules=[*_record_rules(spec, preset), *([_within_floor(model, inputs, in_names, axes)] if dynamic else [])],
     )
     run_plan(plan, target)
     return target
+
+
+def dynamic_steps(opset_version: int) -> list[Step]:
+    """The graph steps of a model with run-time quantized activations (``activations='dynamic'``):
+    the weights' pairs tidied as in :func:`qdq_steps`, then each linear layer written as
+    ``MatMulInteger``, whose exact integer sum is proven by the rounding floor, not last-bit equality."""
+    return [
+        Step("store cast Q/DQ parameters", FoldQDQParameterCastsPass(), IdenticalOutputs),
+        Step(f"lower to opset {opset_version}", LowerOpsetPass(opset_version), IdenticalOutputs),
+        Step("fold weight transposes", FoldWeightTransposePass(), IdenticalOutputs),
+        Step("order GELUs for fusion", GeluOrderPass(), IdenticalOutputs),
+        Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural),
+        Step("write linear layers as MatMulInteger", MatMulIntegerPass(), LastBit),
+        Step("write rsqrt as a division", RsqrtToDivPass(), LastBit),
+    ]
+
+
+def _within_floor(model: Any, inputs: tuple, names: list[str], axes: dict) -> Any:
+    """The file rule of the dynamic scheme: at ONNX Runtime's unoptimised and default levels, at
+    two sizes of every symbolic axis, each output within twice the model's own rounding floor."""
+    import torch
+
+    from .._axes import second_size
+    from .verify import compare_qdq
+
+    feeds = {name: t.detach().cpu().numpy() for name, t in zip(names, inputs)}
+    samples = [feeds, second_size(feeds, axes)] if axes else [feeds]
+
+    def rule(path: Path) -> None:
+        for sample in samples:
+            tensors = tuple(torch.from_numpy(v) for v in sample.values())
+            for optimized in (False, True):
+                report = compare_qdq(model, path, tensors, optimized=optimized, rounding_floor=True)
+                failing = [o.name for o in report.outputs if o.within_floor is False]
+                if failing:
+                    level = "default" if optimized else "unoptimised"
+                    raise ExportRefusedError(
+                        f"At ONNX Runtime's {level} level the file is beyond twice its model's rounding floor on "
+                        f"{failing} ({', '.join(f'{k} {list(v.shape)}' for k, v in sample.items())}):\n{report}\n"
+                        f"Nothing was kept."
+                    )
+    return rule
 
 
 def qdq_steps(opset_version: int, activation_dtype: str, defaults: ExportDefaults | None = None) -> list[Step]:

@@ -63,6 +63,10 @@ def check_target(onnx_path: str | os.PathLike | onnx.ModelProto, target: str) ->
                             f"{target} wants {onnx.TensorProto.DataType.Name(rules.weight_type).lower()} weights.")
         elif rules.zero_points_zero == "weights" and zp is not None and np.any(zp != 0):
             problems.append(f"{label} has a weight zero-point other than 0; {consumer} wants symmetric weights.")
+    for label, tensor in integer_op_weights(model):  # MatMulInteger/ConvInteger read their integers directly
+        if rules.weight_type is not None and int(tensor.dtype) != rules.weight_type:
+            problems.append(f"{label} reads its weight as {onnx.TensorProto.DataType.Name(int(tensor.dtype))}; "
+                            f"{target} wants {onnx.TensorProto.DataType.Name(rules.weight_type).lower()} weights.")
     if portable:
         problems += [
             f"{label} holds int8 weights on [{low}, {high}], beyond [{PORTABLE_LOW}, {PORTABLE_HIGH}]: on x86 CPUs "
@@ -101,11 +105,35 @@ def file_weight_range(model: ir.Model | onnx.ModelProto) -> str | None:
     return next((p.value for p in model.metadata_props if p.key == WEIGHT_RANGE_KEY), None)
 
 
+_INTEGER_OPS = ("MatMulInteger", "ConvInteger")
+
+
+def integer_op_weights(model: ir.Model) -> list[tuple[str, ir.TensorProtocol]]:
+    """(label, stored integers) of the weight (input 1) of every MatMulInteger and ConvInteger:
+    dynamic-scheme files (ours, and ONNX Runtime's ``quantize_dynamic``) keep their weights there."""
+    found = []
+    for graph in graphs(model):
+        for node in graph:
+            if node.op_type in _INTEGER_OPS and is_default(node) and len(node.inputs) > 1:
+                tensor = const_tensor(node.inputs[1])
+                if tensor is not None:
+                    found.append((_label(node), tensor))
+    return found
+
+
 def weights_beyond_portable(model: ir.Model, nodes: list | None = None) -> list[tuple[str, int, int]]:
-    """(DequantizeLinear, lowest, highest) of every int8 weight a Conv/Gemm/MatMul reads whose
-    integers leave [-64, 64]: the pairs that x86 U8S8 kernels without VNNI may saturate on."""
+    """(reader, lowest, highest) of every int8 weight a Conv/Gemm/MatMul reads through a
+    DequantizeLinear (of ``nodes``, or all of the file's) or a MatMulInteger/ConvInteger reads
+    directly, whose integers leave [-64, 64]: the weights that x86 U8S8 kernels without VNNI may
+    saturate on."""
     weight_inputs = _weight_inputs(model)
     found = []
+    for label, tensor in integer_op_weights(model):
+        if tensor.dtype == _I8:
+            integers = read_values(tensor)
+            low, high = int(integers.min(initial=0)), int(integers.max(initial=0))
+            if low < PORTABLE_LOW or high > PORTABLE_HIGH:
+                found.append((label, low, high))
     for q in qdq_nodes(model) if nodes is None else nodes:
         if q.op_type != "DequantizeLinear" or q.output not in weight_inputs:
             continue

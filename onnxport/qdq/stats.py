@@ -38,6 +38,9 @@ class QDQStats:
         n_uint8: Q/DQ nodes whose zero-point is uint8.
         n_blocked: Q/DQ nodes with a ``block_size`` (blocked int4/int8 weights, opset 21).
         n_int4: Q/DQ nodes whose integers are int4 or uint4.
+        n_dynamic_quantize: DynamicQuantizeLinear nodes (activations quantized at run time).
+        n_integer_ops: MatMulInteger and ConvInteger nodes (integer products of run-time
+            quantized activations and stored integer weights).
     """
 
     n_quantize: int
@@ -48,6 +51,8 @@ class QDQStats:
     n_uint8: int = 0
     n_blocked: int = 0
     n_int4: int = 0
+    n_dynamic_quantize: int = 0
+    n_integer_ops: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -102,9 +107,10 @@ def _stats(model: ir.Model, nodes: list[QDQNode] | None = None) -> QDQStats:
             counts["nonzero"] += bool(np.any(q.zero_point_values() != 0))
     # a float graph has no "unquantized" edges, only float ones
     conv_add = sum(_conv_add_edges(graph) for graph in graphs(model)) if nodes else 0
+    ops = Counter(node.op_type for graph in graphs(model) for node in graph if is_default(node))
     return QDQStats(
         counts["q"], counts["dq"], counts["per_channel"], counts["nonzero"], conv_add, counts["uint8"],
-        counts["blocked"], counts["int4"],
+        counts["blocked"], counts["int4"], ops["DynamicQuantizeLinear"], ops["MatMulInteger"] + ops["ConvInteger"],
     )
 
 
@@ -147,6 +153,9 @@ class QDQReport:
                 f"DequantizeLinear ({self.stats.n_per_channel} per-channel or blocked"
                 + (f", {self.stats.n_blocked} blocked" if self.stats.n_blocked else "")
                 + (f", {self.stats.n_int4} int4" if self.stats.n_int4 else "") + ")"
+                + (f"; run-time quantized: {self.stats.n_dynamic_quantize} DynamicQuantizeLinear, "
+                   f"{self.stats.n_integer_ops} MatMulInteger/ConvInteger"
+                   if self.stats.n_dynamic_quantize or self.stats.n_integer_ops else "")
             ),
             (f"zero-point types: {', '.join(f'{k} x{v}' for k, v in sorted(self.zero_point_dtypes.items())) or 'none'}; "
             f"non-zero zero-points: {self.stats.n_nonzero_zero_point}"),

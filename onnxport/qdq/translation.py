@@ -69,6 +69,37 @@ def fallback_table() -> dict[Any, Any]:
     }
 
 
-def translation_table() -> dict[Any, Any] | None:
-    """The table to pass to torch.onnx.export: ``None`` where the native translation exists."""
-    return None if exporter_translates_pt2e() else fallback_table()
+def dynamic_table() -> dict[Any, Any]:
+    """onnxscript functions for pt2e's run-time quantization (``activations='dynamic'``), which
+    torch.onnx does not translate: ``choose_qparams.tensor`` is ONNX ``DynamicQuantizeLinear``'s
+    scale and zero-point (the same arithmetic for uint8 on [0, 255]: the range widened to hold 0,
+    ``(max - min) / 255``, the zero-point ``round(-min / scale)``), and the ``.tensor`` quantizers
+    read them. :class:`~onnxport.passes.dynamic_matmul.DynamicQuantizePass` then lets the
+    ``QuantizeLinear`` go: ``DynamicQuantizeLinear``'s first output is that very quantization."""
+    from onnxscript import opset18 as op
+
+    def choose_qparams(x, quant_min: int, quant_max: int, eps: float, dtype: int):
+        _, scale, zero_point = op.DynamicQuantizeLinear(x)
+        return scale, zero_point
+
+    def quantize_per_tensor(x, scale, zero_point, quant_min: int, quant_max: int, dtype: int):
+        return op.QuantizeLinear(x, scale, zero_point)
+
+    def dequantize_per_tensor(x, scale, zero_point, quant_min: int, quant_max: int, dtype: int):
+        return op.DequantizeLinear(x, scale, zero_point)
+
+    qd = torch.ops.quantized_decomposed
+    return {
+        qd.choose_qparams.tensor: choose_qparams,
+        qd.quantize_per_tensor.tensor: quantize_per_tensor,
+        qd.dequantize_per_tensor.tensor: dequantize_per_tensor,
+    }
+
+
+def translation_table(dynamic: bool = False) -> dict[Any, Any] | None:
+    """The table to pass to torch.onnx.export: ``None`` where the native translation exists and
+    nothing more is needed; ``dynamic`` adds the run-time quantization of :func:`dynamic_table`."""
+    table = None if exporter_translates_pt2e() else fallback_table()
+    if dynamic:
+        table = {**(table or {}), **dynamic_table()}
+    return table

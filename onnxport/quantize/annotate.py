@@ -77,6 +77,10 @@ class AnnotationContext:
     #: computes one operand (oneDNN's sum post-op, OpenVINO's CPU plugin) and does not round that
     #: layer's output to its pair first: leave it float, so the model computes what runs.
     fused_sum: bool = False
+    #: Activations are quantized at run time (``activation`` is a dynamic spec): only the inputs
+    #: of linear layers (``nn.Linear``, addmm, a product with a parameter matrix) are quantized,
+    #: nothing's output, and convolutions and everything else stay float.
+    dynamic: bool = False
 
 
 #: ``.padding`` is the overload a string padding (``'same'``, ``'valid'``) captures as.
@@ -473,9 +477,30 @@ def _attention_part(node: Node, ctx: AnnotationContext) -> bool:
     return True
 
 
+def _dynamic_linear(node: Node, ctx: AnnotationContext) -> None:
+    """The dynamic scheme: a linear layer's input quantized at run time, its weight per channel."""
+    if node.target == aten.linear.default:
+        x, weight, weight_spec = node.args[0], node.args[1], ctx.weight
+    elif node.target == aten.addmm.default:
+        x, weight, weight_spec = node.args[1], node.args[2], ctx.weight_transposed
+    else:
+        found = _product_weight(node) if is_float_tensor(node) else None
+        if found is None:
+            return
+        x, weight, weight_spec = node.args[0], found, ctx.weight_transposed
+        node.meta[_WEIGHT_PRODUCT] = True
+    if is_float_tensor(x) and isinstance(weight, Node) and is_constant(weight):
+        _annotate(node, {x: ctx.activation, weight: weight_spec})
+
+
 def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
     """Annotate every supported operator of ``model`` in graph order (producers first)."""
     mark_constants(model)
+    if ctx.dynamic:
+        for node in model.graph.nodes:
+            if node.op == "call_function" and not is_constant(node):
+                _dynamic_linear(node, ctx)
+        return model
     for node in model.graph.nodes:
         # a tensor computed from parameters alone (Funnel's sinusoid position table, a mask) is
         # folded into a stored constant at export; a pair inside that computation stops the folding,

@@ -14,6 +14,7 @@ from torchao.quantization.pt2e.observer import (
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
     PerChannelMinMaxObserver,
+    PlaceholderObserver,
 )
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
@@ -153,6 +154,21 @@ def activation_qspec(
     return QuantizationSpec(
         dtype=dtype, quant_min=qmin, quant_max=qmax, qscheme=qscheme, is_dynamic=False,
         observer_or_fake_quant_ctr=ctr,
+    )
+
+
+def dynamic_activation_qspec() -> QuantizationSpec:
+    """The spec of an activation quantized at run time, as ONNX ``DynamicQuantizeLinear`` does it:
+    uint8 on [0, 255], per tensor, the range always including 0, scale ``(max - min) / 255``.
+
+    The smallest scale is float32's smallest normal number rather than :data:`_EPS`: with a larger
+    floor, a tensor whose range is under ``255 · eps`` would get another scale than the file's
+    ``DynamicQuantizeLinear``, which has no floor. Only an all-zero tensor still differs (torch
+    takes the floor as its scale, ONNX a zero scale); both give zeros.
+    """
+    return QuantizationSpec(
+        dtype=torch.uint8, quant_min=0, quant_max=255, qscheme=torch.per_tensor_affine, is_dynamic=True,
+        observer_or_fake_quant_ctr=PlaceholderObserver.with_args(eps=float(torch.finfo(torch.float32).tiny)),
     )
 
 

@@ -23,13 +23,17 @@ from .batch_norm import retarget_inference_batch_norms
 from .calibration import read_calibration
 from .decompose import split_attention, split_silu
 from .fold import fold_channel_scales
-from .observers import OBSERVERS, activation_qspec, weight_qspec
+from .observers import OBSERVERS, activation_qspec, dynamic_activation_qspec, weight_qspec
 from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv_add, skip_layers
 from .spec import QuantSpec, attach_spec
 from .weight_only import WEIGHT_ONLY_BITS, drop_bound_reprs, quantize_weight_only
 
 BACKENDS = ("pt2e", "torchao")
 PT2E_METHODS = ("static", "qat")
+#: pt2e activations: scales from calibration, or computed from each tensor at run time.
+ACTIVATION_MODES = ("static", "dynamic")
+#: Targets whose consumers compute a dynamic activation scale (``DynamicQuantizeLinear``).
+DYNAMIC_TARGETS = (None, "onnxruntime")
 TORCHAO_METHODS = ("int8_weight_only", "int8_dynamic", "int4_weight_only")
 QSCHEMES = ("per_channel", "per_tensor")
 WEIGHT_ONLY_QSCHEMES = ("per_group", "per_channel")
@@ -223,7 +227,14 @@ class Quantizer:
             OpenVINO's U8S8 kernels compute exactly on every x86 CPU, VNNI or not (without VNNI
             they add two products in a saturating int16); ``'full'`` — [-127, 127], for
             deployments known to have VNNI/AMX or ARM dot products. ``None`` (default) takes the
-            target's: portable for ``'onnxruntime'``, full otherwise. Recorded in the QuantSpec.
+            target's: portable for ``'onnxruntime'`` and for dynamic activations, full otherwise.
+            Recorded in the QuantSpec.
+        activations: pt2e: ``'static'`` (scales from calibration, the default) or ``'dynamic'``:
+            each linear layer's input is quantized at run time from its own range (uint8 on
+            [0, 255], per tensor, as ONNX ``DynamicQuantizeLinear`` computes it), weights int8 per
+            channel; no calibration data (``quantize`` takes one example batch, to capture the
+            model), convolutions and every other operator stay float. ``export_qdq`` writes it as
+            ``DynamicQuantizeLinear`` + ``MatMulInteger``. For no target or ``'onnxruntime'``.
     """
 
     def __init__(
@@ -242,15 +253,31 @@ class Quantizer:
         target: str | None = None,
         activation_bits: int = 8,
         weight_range: str | None = None,
+        activations: str = "static",
     ) -> None:
         self.backend = check_choice(backend, BACKENDS, "backend")
+        self.activations = check_choice(activations, ACTIVATION_MODES, "activations")
+        if self.activations == "dynamic":
+            if backend != "pt2e" or method not in (None, "static"):
+                raise InvalidArgumentError(
+                    f"activations='dynamic' is a pt2e scheme without training; drop backend={backend!r}, "
+                    f"method={method!r} (or use Quantizer(backend='torchao', method='int8_dynamic'), which has no "
+                    f"ONNX form)."
+                )
+            if target not in DYNAMIC_TARGETS:
+                raise InvalidArgumentError(
+                    f"activations='dynamic' is written as DynamicQuantizeLinear, which target={target!r} does not "
+                    f"run as INT8; use target='onnxruntime' (or none), or static activations for {target!r}."
+                )
         self.target = None if target is None else check_choice(target, TARGETS, "target")
         record = get_target(self.target)
         if weight_range is not None:
             check_choice(weight_range, WEIGHT_RANGES, "weight_range")
             if backend != "pt2e":
                 raise InvalidArgumentError(f"weight_range={weight_range!r} is a pt2e setting; use backend='pt2e'.")
-        self.weight_range = weight_range or ("portable" if record.annotation.portable_weights else "full")
+        # dynamic activations are uint8 on every x86 consumer: the U8S8 kernels need the portable range
+        portable_default = record.annotation.portable_weights or self.activations == "dynamic"
+        self.weight_range = weight_range or ("portable" if portable_default else "full")
         if target is not None and backend != "pt2e":
             raise InvalidArgumentError(f"target={target!r} is a pt2e preset; use backend='pt2e'.")
         sixteen = [name for name in TARGETS if 16 in get_target(name).annotation.activation_bits]
@@ -300,6 +327,11 @@ class Quantizer:
                 f"float_layers must be a list of module names such as ['layer4.1.conv2'], not {float_layers!r}."
             )
         self.float_layers = list(float_layers or [])
+        if self.activations == "dynamic" and self.skip_activations:
+            raise InvalidArgumentError(
+                "skip_activations leaves static activation pairs out; with activations='dynamic' nothing's output is "
+                "quantized. Use float_layers to keep whole layers float."
+            )
         if not isinstance(group_size, int) or group_size <= 0:
             raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
         self.group_size = group_size
@@ -317,12 +349,18 @@ class Quantizer:
             f"Quantizer(backend={self.backend!r}, method={self.method!r}, qscheme={self.qscheme!r}, "
             f"symmetric={self.symmetric}, observer={self.observer!r}, qdq_placement={self.qdq_placement!r}, "
             f"skip_activations={self.skip_activations!r}, float_layers={self.float_layers!r}, target={self.target!r}, "
-            f"weight_range={self.weight_range!r})"
+            f"weight_range={self.weight_range!r}, activations={self.activations!r})"
         )
 
     # -- the record ----------------------------------------------------------------------
     def spec(self) -> QuantSpec:
         """The :class:`QuantSpec` this quantizer writes on the models it returns."""
+        if self.backend == "pt2e" and self.activations == "dynamic":
+            return QuantSpec(
+                backend="pt2e", method="dynamic", weight_bits=8, activation_bits=None, qscheme=self.qscheme,
+                symmetric=False, placement=None, skipped_modules=(), float_layers=tuple(self.float_layers),
+                observer=None, dynamic_activations=True, target=self.target, weight_range=self.weight_range,
+            )
         if self.backend == "pt2e":
             return QuantSpec(
                 backend="pt2e", method=self.method, weight_bits=8, activation_bits=self.activation_bits,
@@ -347,11 +385,19 @@ class Quantizer:
 
     def _pt2e_quantizer(self, is_qat: bool) -> OnnxportPT2EQuantizer:
         per_channel = self.qscheme == "per_channel"
+        portable = self.weight_range == "portable"
+        if self.activations == "dynamic":
+            ctx = AnnotationContext(
+                activation=dynamic_activation_qspec(),
+                weight=weight_qspec(per_channel, False, axis=0, portable=portable),
+                weight_transposed=weight_qspec(per_channel, False, axis=1, portable=portable),
+                is_qat=False, dynamic=True,
+            )
+            return OnnxportPT2EQuantizer(ctx, "per_op", [], self.float_layers)
         activation = activation_qspec(self.observer, self.symmetric, is_qat)
         post_relu = None
         annotation = get_target(self.target).annotation
         scheme = annotation.activations
-        portable = self.weight_range == "portable"
         if scheme == "affine_unsigned":
             activation = activation_qspec(self.observer, False, is_qat, unsigned=True, bits=self.activation_bits)
         elif scheme == "symmetric_unsigned_after_relu":
@@ -433,7 +479,8 @@ class Quantizer:
 
         quantizer = self._pt2e_quantizer(is_qat=False)
         prepared = prepare_pt2e(captured, quantizer)
-        self._calibrate(prepared, batches, dynamic_batch)
+        # dynamic activations observe nothing ahead: one batch checks that the prepared model runs
+        self._calibrate(prepared, batches[:1] if self.activations == "dynamic" else batches, dynamic_batch)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             converted = convert_pt2e(prepared)

@@ -67,8 +67,9 @@ class QuantSpec:
 
     def qdq_refusal(self) -> str | None:
         """Why this precision has no QuantizeLinear/DequantizeLinear form, or ``None`` if it has one."""
-        if self.dynamic_activations:
-            return "its activations are quantized at run time, so it has no static activation scales to write"
+        if self.dynamic_activations and self.backend != "pt2e":
+            return ("torchao quantizes its activations at run time inside its own tensor type, which has no ONNX "
+                    "form; use Quantizer(activations='dynamic') (pt2e), written as DynamicQuantizeLinear")
         return None
 
     @property
