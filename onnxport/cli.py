@@ -156,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-FOLDER_QUANTIZE = ("int8", "dynamic", "int4", "int8-weight-only")  # export_pretrained refuses dynamic by name, for now
+FOLDER_QUANTIZE = ("int8", "dynamic", "int4", "int8-weight-only")
 MODULE_QUANTIZE = ("dynamic", "static")
 
 
@@ -382,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", required=True, help="the output folder (SOURCE) or .onnx file (MODEL)")
     export.add_argument("--opset", type=int, default=None)
     export.add_argument("--quantize", choices=sorted({*FOLDER_QUANTIZE, *MODULE_QUANTIZE}),
-                        help="SOURCE: int8 (pt2e static, needs --calibration), int4 or int8-weight-only (torchao "
-                             "weight-only, no calibration; dynamic is refused with what to use instead, for now); "
+                        help="SOURCE: int8 (pt2e static, needs --calibration), dynamic (activations quantized at "
+                             "run time, no calibration), int4 or int8-weight-only (torchao weight-only); "
                              "MODEL: dynamic or static (ONNX Runtime's quantizer)")
     export.add_argument("--task", help="SOURCE: a transformers pipeline task (default: read from config.json)")
     export.add_argument("--target", help="SOURCE with --quantize int8: the deployment target (default onnxruntime)")

@@ -104,6 +104,21 @@ def test_weight_only_needs_no_calibration_and_keeps_torchaos_integers(tmp_path, 
     assert int4_group(torch.nn.Sequential(torch.nn.Linear(48, 8), torch.nn.Linear(96, 8))) == 16
 
 
+def test_dynamic_int8_in_one_command_without_calibration(tmp_path):
+    source = folders.bert(tmp_path / "bert")
+    done = _cli("export", str(source), "-o", str(tmp_path / "out"), "--quantize", "dynamic")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "out" / "onnxport.json").read_text())
+    assert record["quantization"]["scheme"].startswith("pt2e dynamic INT8")
+    (proof,) = record["proofs"]  # as deployed: ORT's fused DynamicQuantizeMatMul
+    assert proof["passed"] and all(o["passed"] for o in proof["outputs"])
+    graph = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("MatMulInteger") == 14 and "QuantizeLinear" not in ops
+    assert [v.name for v in graph.input] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
+
+
 def test_the_file_runs_with_the_folders_tokenizer(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -135,8 +150,7 @@ def test_bad_sources_are_refused_by_name_with_nothing_written(tmp_path):
              task="summarize")
     _refused(tmp_path, "text-generation.*export_decoder", source, task="text-generation")
     _refused(tmp_path, "needs calibration data", source, quantize="int8")
-    _refused(tmp_path, "quantize='dynamic' is not available through export_pretrained yet", source,
-             quantize="dynamic")
+    _refused(tmp_path, "quantize must be one of 'int8', 'dynamic'", source, quantize="int2")
     _refused(tmp_path, "calibration is only read with quantize='int8'", source, quantize="int4",
              calibration=tmp_path / "calibration.txt")
     _refused(tmp_path, r"calibration 'x\.csv' does not exist", source, quantize="int8", calibration="x.csv")

@@ -21,18 +21,13 @@ from .inputs import Signature, build_signature
 from .source import COMPANION_FILES, TIMM_PREFIX, Loaded, load_folder, load_module, load_timm
 from .tasks import Task, get_task
 
-Quantize = Literal["int8", "int4", "int8-weight-only"]
-QUANTIZE_CHOICES = ("int8", "int4", "int8-weight-only")
+Quantize = Literal["int8", "dynamic", "int4", "int8-weight-only"]
+QUANTIZE_CHOICES = ("int8", "dynamic", "int4", "int8-weight-only")
 #: The torchao weight-only recipe behind each weight-only choice.
 WEIGHT_ONLY = {"int4": "int4_weight_only", "int8-weight-only": "int8_weight_only"}
 #: int4 weights get one scale per this many input features, or the largest power of two below it
 #: that divides every Linear's width (a small model's layers can be narrower).
 INT4_GROUP = 128
-#: Schemes the front door does not write yet, and what to use meanwhile.
-NOT_YET = {
-    "dynamic": "ONNX Runtime's dynamic quantizer fails its symbolic shape inference on files with a symbolic "
-               "sequence; use quantize='int8' (static, calibrated) or 'int8-weight-only' (no calibration)",
-}
 MODEL_FILE = "model.onnx"
 RECORD_FILE = "onnxport.json"
 #: Calibration samples used when none is said (the pt2e observers settle within a few dozen).
@@ -178,8 +173,9 @@ def export_pretrained(
         quantize: ``None`` (float); ``'int8'`` (pt2e static INT8 with the target's rules, needs
             ``calibration``); ``'int4'`` or ``'int8-weight-only'`` (torchao weight-only Linear layers,
             activations float, no calibration: int4 in groups of 128 input features, or the largest
-            power of two that divides every Linear's width; int8 one scale per output channel).
-            ``'dynamic'`` is refused by name for now, with what to use instead.
+            power of two that divides every Linear's width; int8 one scale per output channel);
+            ``'dynamic'`` (pt2e: each Linear's input quantized at run time, weights int8 per
+            channel, no calibration; written as ``DynamicQuantizeLinear`` + ``MatMulInteger``).
         calibration: for ``'int8'``: a text file (one sample a line, tokenized with the folder's
             tokenizer), a folder of images or .wav/.flac files, a .npz (one array per input), or a
             list of dicts of arrays.
@@ -196,15 +192,12 @@ def export_pretrained(
     folder = check_output_folder(output_dir)
     if task != "auto":
         get_task(task)  # an unknown task is named, with the list, before anything is loaded
-    if quantize in NOT_YET:
-        raise InvalidArgumentError(f"quantize={quantize!r} is not available through export_pretrained yet: "
-                                   f"{NOT_YET[quantize]}.")
     if quantize is not None:
         check_choice(quantize, QUANTIZE_CHOICES, "quantize")
     if quantize == "int8" and calibration is None:
         raise InvalidArgumentError(
             "quantize='int8' needs calibration data: a text file (one sample a line), a folder of images or audio, "
-            "a .npz, or a list of dicts; or use quantize='int8-weight-only', which needs none."
+            "a .npz, or a list of dicts; or use quantize='dynamic', which needs none."
         )
     if calibration is not None and quantize != "int8":
         raise InvalidArgumentError(f"calibration is only read with quantize='int8', and quantize={quantize!r}.")
@@ -250,6 +243,12 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
 
     if quantize in WEIGHT_ONLY:
         return _write_weight_only(wrapper, signature, path, quantize, opset_version)
+    if quantize == "dynamic":
+        quantized = Quantizer(activations="dynamic").quantize(wrapper, [sample], dynamic_axes=signature.axes)
+        export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
+                   dynamic_batch=True)
+        return ({"scheme": "pt2e dynamic INT8 (activations quantized at run time)"},
+                [_prove_qdq(quantized, path, sample, optimized=True)])
     quantized = Quantizer(target=target or "onnxruntime").quantize(wrapper, batches, dynamic_axes=signature.axes)
     export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
                dynamic_batch=True)
