@@ -160,6 +160,12 @@ def _one(entry, out: Path) -> dict:
     first = compare_qdq(quantized, files["ours"], check, rounding_floor=True).outputs[0]
     result["ours"] = {"cosine": first.cosine_similarity, "rounding_floor": list(first.rounding_floor),
                       "within_floor": first.within_floor, **_fused(files["ours"])}
+    if entry.kind == "tokens":  # the dynamic scheme: no calibration, DynamicQuantizeLinear + MatMulInteger
+        dynamic = Quantizer(activations="dynamic").quantize(model, [sample])
+        files["ours_dynamic"] = export_qdq(dynamic, sample, out / "ours_dynamic.onnx")
+        first = compare_qdq(dynamic, files["ours_dynamic"], check, rounding_floor=True, optimized=True).outputs[0]
+        result["ours_dynamic"] = {"cosine": first.cosine_similarity, "rounding_floor": list(first.rounding_floor),
+                                  "within_floor": first.within_floor}
     result["seconds_ours"] = time.perf_counter() - start
     start = time.perf_counter()
     modes = ("static", "dynamic") if entry.kind == "tokens" else ("static",)
@@ -263,4 +269,32 @@ def report(results: dict) -> str:
     unfaithful = [n for n, e in results.items() if not n.startswith("_") and "ours" in e and not e["ours"]["within_floor"]]
     lines += ["", f"Below 0.95x ORT's best (or below FP32 where ORT is not): {', '.join(below) or 'none'}",
               f"Beyond twice the model's rounding floor as deployed: {', '.join(unfaithful) or 'none'}"]
-    return "\n".join(lines)
+    return "\n".join(lines + dynamic_report(results))
+
+
+def dynamic_report(results: dict) -> list[str]:
+    """The dynamic scheme (``Quantizer(activations='dynamic')``) against ORT's ``quantize_dynamic``
+    (the better of its default and ``reduce_range``), text families only."""
+    rows = [(n, e) for n, e in results.items() if not n.startswith("_") and "ours_dynamic" in e.get("speedup", {})]
+    if not rows:
+        return []
+    lines = ["", "Dynamic INT8 (no calibration): ours = Quantizer(activations='dynamic') + export_qdq; ORT's = "
+             "quantize_dynamic, the better of default and reduce_range.", "",
+             "| model | ours dynamic | ORT quantize_dynamic (which) | ours / ORT's | cosine as deployed (floor min–max) |",
+             "|---|---|---|---|---|"]
+    below = []
+    for name, e in rows:
+        speed = e["speedup"]
+        ort = {k: speed[k] for k in ("ort_dynamic", "ort_dynamic_rr") if k in speed}
+        best = max(ort, key=ort.get) if ort else None
+        ratio = speed["ours_dynamic"] / ort[best] if best else None
+        if ratio is not None and ratio < 1.0:
+            below.append(name)
+        d = e["ours_dynamic"]
+        lines.append(
+            f"| {name} | {speed['ours_dynamic']:.2f}x | "
+            + (f"{ort[best]:.2f}x ({best.removeprefix('ort_')}) | {ratio:.2f} " if best else "failed | ")
+            + f"| {d['cosine']:.5f} ({min(d['rounding_floor']):.5f}–{max(d['rounding_floor']):.5f})"
+            + ("" if d["within_floor"] else " BELOW 2x floor") + " |")
+    lines += ["", f"Below 1.00x ORT's quantize_dynamic: {', '.join(below) or 'none'}"]
+    return lines

@@ -333,7 +333,10 @@ def test_qdq_form_reasons():
     assert "run time" in Quantizer(backend="torchao", method="int8_dynamic").spec().qdq_refusal()
     assert Quantizer().spec().qdq_refusal() is None and Quantizer().spec().qdq_opset == 13
     table = precision_table()
-    assert table.startswith("| backend |") and table.count("\n") == 7 and "int4_weight_only" in table
+    assert table.startswith("| backend |") and table.count("\n") == 8 and "int4_weight_only" in table
+    dynamic = Quantizer(activations="dynamic").spec()
+    assert dynamic.has_qdq_form and dynamic.dynamic_activations and dynamic.method == "dynamic"
+    assert dynamic.weight_range == "portable" and "Adyn" in dynamic.describe()
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ class QuantSpec:
 
     Attributes:
         backend: ``'pt2e'`` or ``'torchao'``.
-        method: ``'static'``, ``'qat'``, ``'int8_weight_only'``, ``'int8_dynamic'`` or
-            ``'int4_weight_only'``.
+        method: ``'static'``, ``'qat'``, ``'dynamic'`` (pt2e, activations quantized at run time),
+            ``'int8_weight_only'``, ``'int8_dynamic'`` or ``'int4_weight_only'``.
         weight_bits: bits of the stored weights.
         activation_bits: bits of the activations between operators (``None``: float, or
             quantized on the fly at run time).
@@ -116,11 +116,14 @@ _TABLE = [
      "int8 per-tensor, affine", "fake-quantized float (reference)", "ONNX Q/DQ, non-zero zero-points (not TensorRT)"),
     ("pt2e", "qat", "int8 per-channel, symmetric", "int8 per-tensor, zero-point 0",
      "fake-quant training, then as static", "ONNX Q/DQ (`export_qdq`)"),
+    ("pt2e", "static, activations='dynamic'", "int8 per-channel, symmetric, [-64, 64]",
+     "linears' inputs uint8 per tensor at run time; the rest float", "fake-quantized float (reference)",
+     "`DynamicQuantizeLinear` + `MatMulInteger` → Cast → Mul (ORT: `DynamicQuantizeMatMul`)"),
     ("torchao", "int8_weight_only", "int8 per-channel or per-group, symmetric or affine", "float",
      "dequantize, then the float op (`IntxWeightOnlyConfig`)",
      "opset 21: int8 `DequantizeLinear` (per-axis or `block_size`) → MatMul/Gather; ORT `MatMulNBits`"),
     ("torchao", "int8_dynamic", "int8 per-channel", "int8 per-token at run time", "torchao dynamic kernels",
-     "refused: no static activation scales"),
+     "refused: torchao's tensor type has no ONNX form (use activations='dynamic')"),
     ("torchao", "int4_weight_only", "int4 per-group (group_size) or per-channel, symmetric or affine", "float",
      "dequantize, then the float op (`IntxWeightOnlyConfig`)",
      "opset 21: int4 `DequantizeLinear` (`block_size`) → MatMul/Gather; ORT `MatMulNBits`"),
