@@ -278,8 +278,8 @@ def dynamic_report(results: dict) -> list[str]:
     rows = [(n, e) for n, e in results.items() if not n.startswith("_") and "ours_dynamic" in e.get("speedup", {})]
     if not rows:
         return []
-    lines = ["", "Dynamic INT8 (no calibration): ours = Quantizer(activations='dynamic') + export_qdq; ORT's = "
-             "quantize_dynamic, the better of default and reduce_range.", "",
+    lines = ["", ("Dynamic INT8 (no calibration): ours = Quantizer(activations='dynamic') + export_qdq; ORT's = "
+                  "quantize_dynamic, the better of default and reduce_range."), "",
              "| model | ours dynamic | ORT quantize_dynamic (which) | ours / ORT's | cosine as deployed (floor min–max) |",
              "|---|---|---|---|---|"]
     below = []
