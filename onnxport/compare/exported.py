@@ -86,12 +86,12 @@ def nonfinite_reason(wide: list[np.ndarray], narrow: list[np.ndarray]) -> str | 
     return None
 
 
-def _float64_run(model: Any, sample: Any, batches: list[tuple]) -> Any:
-    """The model in float64 on the batches (float inputs widened), or the reason it cannot run so."""
+def _float64_run(wide: Any, sample: Any, batches: list[tuple]) -> Any:
+    """The float64 copy ``wide`` (or the reason there is none) on the batches (float inputs
+    widened), or the reason it cannot run so."""
     from .._inputs import bind_sample
     from .._torch import eval_mode
 
-    wide = float64_copy(model)
     if isinstance(wide, str):
         return wide
     try:
@@ -134,6 +134,20 @@ def compare_onnx(
     Returns the :class:`Report`: ``bool(report)`` is the verdict, ``str(report)`` the table (with
     ``rounding_floor``: per output the file's distance, the floor and their ratio).
     """
+    return compare_onnx_sizes(model, onnx_path, [sample], rtol, atol, rounding_floor=rounding_floor)[0]
+
+
+def compare_onnx_sizes(
+    model: Any,
+    onnx_path: str | os.PathLike,
+    samples: list[Any],
+    rtol: float | None = None,
+    atol: float | None = None,
+    *,
+    rounding_floor: bool = False,
+) -> list[Report]:
+    """:func:`compare_onnx` on each of ``samples`` (the sizes of a symbolic axis, say), one
+    :class:`Report` each, with one ONNX Runtime session and one float64 copy of the model for all."""
     from .._inputs import bind_sample, file_batch, split_batches
     from .._torch import eval_mode, require_module
     from ..runtime import ONNXModel
@@ -147,28 +161,36 @@ def compare_onnx(
         )
     require_module(model)
     strategy = ScaledAllclose(DEFAULT_RTOL if rtol is None else rtol, DEFAULT_ATOL if atol is None else atol)
-    call, inputs, names = bind_sample(model, sample)
     runner = ONNXModel(onnx_path)
-    # a file exported with a fixed batch runs the sample in batches of its own size
-    batches = split_batches(inputs, 1, file_batch(onnx_path))
-    with eval_mode(model):
-        reference = torch_batches(call, batches)
-    got = onnx_batches(runner, batches, names, "default level")
-    if not rounding_floor:
-        return compare_runs(got, reference, strategy)
-    wide = _float64_run(model, sample, batches)
-    reason = wide if isinstance(wide, str) else nonfinite_reason(wide.arrays, reference.arrays)
-    if reason is not None:
-        warnings.warn(
-            f"compare_onnx(rounding_floor=True) cannot measure this model's float floor: {reason}. The file is "
-            f"judged by the fixed tolerance instead ({strategy.describe()}).",
-            WeakerCheckWarning,
-            stacklevel=2,
-        )
-        return compare_runs(got, reference, strategy)
-    floors = {name: relative_distance(ours, wide_out)
-              for name, ours, wide_out in zip(got.names, reference.arrays, wide.arrays)}
-    return compare_runs(got, wide, WithinFloatFloor(FLOAT_FLOOR_MULTIPLE), float_floors=floors)
+    wide_model: Any = None
+    reports = []
+    for sample in samples:
+        call, inputs, names = bind_sample(model, sample)
+        # a file exported with a fixed batch runs the sample in batches of its own size
+        batches = split_batches(inputs, 1, file_batch(onnx_path))
+        with eval_mode(model):
+            reference = torch_batches(call, batches)
+        got = onnx_batches(runner, batches, names, "default level")
+        if not rounding_floor:
+            reports.append(compare_runs(got, reference, strategy))
+            continue
+        if wide_model is None:
+            wide_model = float64_copy(model)
+        wide = _float64_run(wide_model, sample, batches)
+        reason = wide if isinstance(wide, str) else nonfinite_reason(wide.arrays, reference.arrays)
+        if reason is not None:
+            warnings.warn(
+                f"compare_onnx(rounding_floor=True) cannot measure this model's float floor: {reason}. The file is "
+                f"judged by the fixed tolerance instead ({strategy.describe()}).",
+                WeakerCheckWarning,
+                stacklevel=3,
+            )
+            reports.append(compare_runs(got, reference, strategy))
+            continue
+        floors = {name: relative_distance(ours, wide_out)
+                  for name, ours, wide_out in zip(got.names, reference.arrays, wide.arrays)}
+        reports.append(compare_runs(got, wide, WithinFloatFloor(FLOAT_FLOOR_MULTIPLE), float_floors=floors))
+    return reports
 
 
 def verify_onnx(

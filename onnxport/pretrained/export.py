@@ -118,15 +118,16 @@ def _load(source: Any, task: str, trust_remote_code: bool, weights: Any) -> Load
 
 
 def _prove_float(wrapper: TaskOutputs, path: Path, signature: Signature) -> list[dict[str, Any]]:
-    """The file against the model at two sizes of every symbolic axis, on the model's float floor."""
-    from ..compare import Report
-    from ..compare.exported import compare_onnx
+    """The file against the model at two sizes of every symbolic axis, on the model's float floor
+    (one session and one float64 copy of the model for both)."""
+    from ..compare.exported import compare_onnx_sizes
 
     feeds = {n: t.numpy() for n, t in signature.as_dict().items()}
     grown = {n: torch.from_numpy(v) for n, v in second_size(feeds, signature.axes).items()}
+    labels = ("sample", "one longer on every symbolic axis")
+    samples = [signature.as_dict(), grown]
     proofs = []
-    for label, sample in (("sample", signature.as_dict()), ("one longer on every symbolic axis", grown)):
-        report: Report = compare_onnx(wrapper, path, sample, rounding_floor=True)
+    for label, sample, report in zip(labels, samples, compare_onnx_sizes(wrapper, path, samples, rounding_floor=True)):
         proofs.append(_proof_record(label, sample, report))
         if not report.passed:
             raise ExportRefusedError(
