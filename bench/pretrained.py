@@ -8,7 +8,14 @@ warm-up, so the comparison is of the export, not of importing torch), and the fl
 ONNX Runtime measured interleaved (``interleaved_ms``: fresh sessions, rotating order; ratio of ours
 over Optimum's speed, the median of the rounds' own ratios). Batch 1, 64 tokens or 224x224.
 
-    python -m bench pretrained --optimum /path/to/venv/bin/optimum-cli [--families Bert,ViT] [--rounds 8]
+    python -m bench pretrained --optimum /path/to/venv/bin/optimum-cli [--families Bert,ViT] [--rounds 8] [--int8]
+
+With ``--int8``, INT8 files too, each against ONNX Runtime's quantizer on Optimum's float file (what
+a user of Optimum's exporter quantizes; the better of its default and ``reduce_range``): text
+families ``quantize='dynamic'`` (ours) against ``quantize_dynamic``, vision families
+``quantize='int8'`` with the 'onnxruntime' target (ours, 16 calibration images from a .npz)
+against ``quantize_static`` (QDQ, per channel, the same images). Their speed is timed interleaved
+with the float files, as a speed-up over our float file.
 
 Environment fallbacks: ONNXPORT_BENCH_OPTIMUM (the optimum-cli path), ONNXPORT_BENCH_PRETRAINED (families),
 ONNXPORT_BENCH_PRETRAINED_ROUNDS.
@@ -34,6 +41,7 @@ class Config:
     optimum: str | None
     families: list[str]
     rounds: int
+    int8: bool = False
 
 
 def config_from(argv: list[str] | None = None) -> Config:
@@ -43,9 +51,11 @@ def config_from(argv: list[str] | None = None) -> Config:
     parser.add_argument("--families", default=os.environ.get("ONNXPORT_BENCH_PRETRAINED", ""),
                         help="comma-separated families (default: the sweep's encoders and vision models)")
     parser.add_argument("--rounds", type=int, default=int(os.environ.get("ONNXPORT_BENCH_PRETRAINED_ROUNDS", "8")))
+    parser.add_argument("--int8", action="store_true", default=bool(os.environ.get("ONNXPORT_BENCH_PRETRAINED_INT8")),
+                        help="INT8 files too: ours against ONNX Runtime's quantizer on Optimum's float file")
     args = parser.parse_args(argv or [])
     families = [f for f in args.families.split(",") if f] or [*ENCODERS, *VISION]
-    return Config(args.optimum, families, args.rounds)
+    return Config(args.optimum, families, args.rounds, args.int8)
 
 
 def _folder(family: str, where: Path) -> Path:
@@ -107,6 +117,102 @@ def _feeds(path: Path) -> dict:
     return feeds
 
 
+def _calibration(folder: Path, where: Path) -> Path:
+    """16 images the size the folder's model reads, as a .npz of ``pixel_values``."""
+    import numpy as np
+
+    float_file = folder / "model.onnx"
+    shape = [d.dim_value or 1 for d in _input_dims(float_file, "pixel_values")]
+    images = np.random.default_rng(1).standard_normal((16, *shape[1:])).astype(np.float32)
+    np.savez(where, pixel_values=images)
+    return where
+
+
+def _input_dims(path: Path, name: str) -> list:
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    value = next(v for v in graph.input if v.name == name)
+    return list(value.type.tensor_type.shape.dim)
+
+
+def _ours_int8(folder: Path, out: Path, vision: bool, calibration: Path | None) -> tuple[float | None, str]:
+    from onnxport import export_pretrained
+
+    start = time.perf_counter()
+    try:
+        if vision:
+            export_pretrained(folder, out, quantize="int8", calibration=calibration, calibration_samples=16)
+        else:
+            export_pretrained(folder, out, quantize="dynamic")
+    except Exception as error:  # noqa: BLE001 -- the table says why a family did not export
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return time.perf_counter() - start, ""
+
+
+def _ort_int8(float_file: Path, out: Path, vision: bool, calibration: Path | None) -> dict[str, Path | str]:
+    """ONNX Runtime's quantizer on a float file, with and without reduce_range: {name: file or why not}."""
+    import numpy as np
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+
+    class Images(CalibrationDataReader):
+        def __init__(self) -> None:
+            images = np.load(calibration)["pixel_values"] if calibration is not None else np.zeros((0,))
+            self.feeds = iter([{"pixel_values": images[i:i + 1]} for i in range(len(images))])
+
+        def get_next(self) -> dict | None:
+            return next(self.feeds, None)
+
+    made: dict[str, Path | str] = {}
+    for suffix, reduce_range in (("", False), ("_rr", True)):
+        target = out / f"ort{suffix}.onnx"
+        try:
+            if vision:
+                quantize_static(str(float_file), str(target), Images(), quant_format=QuantFormat.QDQ, per_channel=True,
+                                reduce_range=reduce_range, activation_type=QuantType.QUInt8,
+                                weight_type=QuantType.QInt8)
+            else:
+                quantize_dynamic(str(float_file), str(target), per_channel=True, reduce_range=reduce_range,
+                                 weight_type=QuantType.QInt8)
+            made[f"ort{suffix}"] = target
+        except Exception as error:  # noqa: BLE001 -- ORT's quantizer failing is a result of the bench
+            made[f"ort{suffix}"] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+    return made
+
+
+def _int8_row(row: dict, root: Path, folder: Path, vision: bool, rounds: int) -> None:
+    """Ours and ORT's INT8 files of one family, timed beside our float file."""
+    from onnxport.runtime import interleaved_ms
+
+    calibration = _calibration(root / "ours", root / "images.npz") if vision else None
+    row["ours_int8_s"], row["ours_int8_error"] = _ours_int8(folder, root / "ours_int8", vision, calibration)
+    (root / "ort_int8").mkdir()
+    start = time.perf_counter()
+    made = _ort_int8(root / "optimum" / "model.onnx", root / "ort_int8", vision, calibration)
+    row["ort_int8_s"] = time.perf_counter() - start
+    row["ort_int8_errors"] = {k: v for k, v in made.items() if isinstance(v, str)}
+    files = {"float": root / "ours" / "model.onnx", **{k: v for k, v in made.items() if isinstance(v, Path)}}
+    if row["ours_int8_s"] is not None:
+        files["ours_int8"] = root / "ours_int8" / "model.onnx"
+    if len(files) < 2:
+        return
+    times = interleaved_ms(files, [_feeds(files["float"])], rounds=rounds)
+    speedup = {name: statistics.median(f / t for f, t in zip(times["float"][0], ms[0]))
+               for name, ms in times.items() if name != "float"}
+    row["int8_speedup"] = speedup
+    ort = {k: v for k, v in speedup.items() if k.startswith("ort")}
+    if ort and "ours_int8" in speedup:
+        best = max(ort, key=ort.get)
+        row["ort_int8_best"] = best
+        row["int8_ours_over_ort"] = speedup["ours_int8"] / ort[best]
+
+
 def run(argv: list[str] | None = None) -> dict:
     from onnxport.runtime import interleaved_ms
 
@@ -142,6 +248,8 @@ def run(argv: list[str] | None = None) -> dict:
                     row["speed_ours_over_optimum"] = statistics.median(ratios)
                 else:
                     row["note"] = f"inputs differ: ours {sorted(feeds)}, Optimum's {sorted(theirs)}"
+                if config.int8:
+                    _int8_row(row, root, folder, family in VISION, config.rounds)
             results[family] = row
             print(f"    {family}: {row}", flush=True)
     return results
@@ -162,6 +270,20 @@ def report(results: dict) -> str:
         lines.append(f"  {family:<14} {num(r, 'ours_s', '7.1f')} {num(r, 'optimum_s', '9.1f')} "
                      f"{num(r, 'ours_ms', '8.2f')} {num(r, 'optimum_ms', '10.2f')} "
                      f"{num(r, 'speed_ours_over_optimum', '14.2f')}  {notes}")
+    int8 = {f: r for f, r in results.items() if "ours_int8_s" in r}
+    if int8:
+        lines += ["", ("INT8 (x = speed-up over our float file): ours = export_pretrained(quantize='dynamic' for text, "
+                  "'int8' for vision); ORT = its quantizer on Optimum's float file, the better of default and reduce_range"),
+                  f"  {'family':<14} {'ours s':>7} {'ours x':>7} {'ORT x':>13} {'ours/ORT':>8}  notes"]
+        for family, r in int8.items():
+            speed = r.get("int8_speedup", {})
+            best = r.get("ort_int8_best")
+            ort = f"{speed[best]:.2f} ({best.removeprefix('ort') or 'default'})" if best else "-"
+            notes = "; ".join(x for x in (r.get("ours_int8_error"), *(f"ORT {k}: {v}" for k, v in
+                                                                       r.get("ort_int8_errors", {}).items())) if x)
+            lines.append(f"  {family:<14} {num(r, 'ours_int8_s', '7.1f')} "
+                         f"{format(speed['ours_int8'], '7.2f') if 'ours_int8' in speed else '      -'} {ort:>13} "
+                         f"{num(r, 'int8_ours_over_ort', '8.2f')}  {notes}")
     return "\n".join(lines)
 
 
