@@ -1,13 +1,17 @@
-"""Run every benchmark in one go: ``python -m bench`` (or ``onnxport bench``).
+"""Run the benchmarks: ``python -m bench [NAME …] [--flag …]`` (or ``onnxport bench``, from a checkout).
 
-Prints each benchmark's side-by-side table, writes ``bench/results.json``, and, when matplotlib is
-installed (``pip install -e .[bench]``), ``bench/latency_ratios.png``.
+Prints each benchmark's side-by-side table and writes one results file per run,
+``bench/results/<UTC time>-<names>.json`` (the machine, the CPU's INT8 kernels, and each
+benchmark's figures), and, when matplotlib is installed (``pip install -e .[bench]``),
+``bench/latency_ratios.png``. Flags after the names go to the benchmarks that take them
+(``python -m bench sweep --families Bert --rounds 20``; each one's ``--help`` lists its own).
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -18,6 +22,7 @@ from pathlib import Path
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo",
               "dynamic_axes", "openvino", "sweep", "llm", "float_floor", "pretrained")
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
 
 
 def _chart(results: dict, path: Path) -> bool:
@@ -46,34 +51,49 @@ def _chart(results: dict, path: Path) -> bool:
     return True
 
 
-def main(only: list[str] | None = None) -> int:
+def _takes_flags(module: object) -> bool:
+    return "argv" in inspect.signature(module.run).parameters  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE.parent))
-    unknown = sorted(set(only or ()) - set(BENCHMARKS))
+    argv = list(argv or [])
+    split = next((i for i, arg in enumerate(argv) if arg.startswith("-")), len(argv))
+    only, flags = argv[:split], argv[split:]
+    unknown = sorted(set(only) - set(BENCHMARKS))
     if unknown:
         print(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
     chosen = [b for b in BENCHMARKS if not only or b in only]
-    saved = HERE / "results.json"
-    # A partial run (`python -m bench NAME`) updates the saved results instead of dropping the rest.
-    results: dict = json.loads(saved.read_text()) if only and saved.exists() else {}
+    modules = {name: importlib.import_module(f"bench.{name}") for name in chosen}
+    flagless = [name for name, module in modules.items() if not _takes_flags(module)]
+    if flags and flagless:
+        print(f"{', '.join(flagless)} take(s) no flags; run the benchmarks given {' '.join(flags)} by name",
+              file=sys.stderr)
+        return 2
+    for module in modules.values():  # bad flags are named before anything runs (argparse exits 2)
+        if flags and hasattr(module, "config_from"):
+            module.config_from(flags)
     from onnxport import cpu_int8
 
     isa = cpu_int8()
-    results.update({"date": datetime.date.today().isoformat(), "machine": platform.platform(),
-                    "processor": platform.processor(), "python": platform.python_version(),
-                    "isa": isa.isa, "vnni": isa.vnni})
+    now = datetime.datetime.now(datetime.timezone.utc)
+    results: dict = {"date": now.isoformat(timespec="seconds"), "machine": platform.platform(),
+                     "processor": platform.processor(), "python": platform.python_version(),
+                     "isa": isa.isa, "vnni": isa.vnni, "cpu": isa.describe(), "flags": flags}
     # every table below was measured on this CPU: its INT8 kernels decide the figures
     print(f"CPU: {isa.describe()}\n", flush=True)
-    for name in chosen:
-        module = importlib.import_module(f"bench.{name}")
+    for name, module in modules.items():
         start = time.perf_counter()
-        results[name] = module.run()
+        results[name] = module.run(flags) if _takes_flags(module) else module.run()
         print(module.report(results[name]))
         print(f"  ({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
-    staged = HERE / ".results.json.partial"  # a complete file or the previous one, never half of one
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{now:%Y-%m-%dT%H%M%S}-{'-'.join(only) or 'all'}.json"
+    staged = path.with_name(path.name + ".partial")  # a complete file or none, never half of one
     staged.write_text(json.dumps(results, indent=2, default=str))
-    os.replace(staged, HERE / "results.json")
-    print(f"wrote {HERE / 'results.json'}")
+    os.replace(staged, path)
+    print(f"wrote {path}")
     if _chart(results, HERE / "latency_ratios.png"):
         print(f"wrote {HERE / 'latency_ratios.png'}")
     return 0

@@ -77,7 +77,7 @@ def report(results: dict) -> str:
     lines = [
         "Symbolic axes: the dynamic file against the static one at the traced size (static latency / dynamic",
         "latency, median of the rounds' ratios; 1.00 = the same), and whether ORT fuses both alike.",
-        f"CPU: {results.get('_isa', 'see results.json')}",
+        f"CPU: {results.get('_isa', 'see the run results file')}",
         "",
         "| model | FP32 static ms | FP32 dynamic ms | FP32 ratio | INT8 static ms | INT8 dynamic ms | INT8 ratio | same fusions |",
         "|---|---|---|---|---|---|---|---|",

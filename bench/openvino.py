@@ -156,7 +156,7 @@ def report(results: dict) -> str:
     lines = [
         "target='openvino' against NNCF's quantize of the same model, in OpenVINO's CPU plugin (x = FP32 latency /",
         "file latency, median of the rounds' ratios; ours/NNCF = NNCF latency / ours), batch 1.",
-        f"CPU: {results.get('_isa', 'see results.json')}; NNCF: {results.get('_nncf')}",
+        f"CPU: {results.get('_isa', 'see the run results file')}; NNCF: {results.get('_nncf')}",
         "",
         "| model | ours | NNCF | ours / NNCF | ours vs pt2e (cos, top-1) | ours vs float | NNCF vs float | INT8 layers (ours) | INT8 layers (NNCF) |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -15,9 +15,12 @@ one process:
   it, and our file's cosine with its pt2e model as deployed against the model's one-ulp floor.
 
     python -m bench sweep
-    ONNXPORT_BENCH_SWEEP="ModernBert,ViT" python -m bench sweep    # only these families
-    ONNXPORT_BENCH_SWEEP_ROUNDS=12 python -m bench sweep            # more rounds
-    ONNXPORT_BENCH_SWEEP_ROUND_MS=300 python -m bench sweep         # longer rounds (default 150 ms)
+    python -m bench sweep --families ModernBert,ViT     # only these families (--text: every text family)
+    python -m bench sweep --rounds 20                   # more rounds (default 8; >= 20 near a goal's line)
+    python -m bench sweep --round-ms 300                # longer rounds (default 150 ms)
+
+Environment fallbacks: ONNXPORT_BENCH_SWEEP (families), ONNXPORT_BENCH_SWEEP_ROUNDS,
+ONNXPORT_BENCH_SWEEP_ROUND_MS.
 
 The table goes in ``docs/benchmarks.md``. timm families need torchvision, which cannot be installed
 beside the CPU torch build; they are not in this sweep.
@@ -25,15 +28,16 @@ beside the CPU torch build; they are not in this sweep.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 IMAGE = (3, 224, 224)
 TOKENS = (64,)
-ROUNDS = int(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUNDS", "8"))
 
 #: one small size for every text family; each config maps these names onto its own
 _TEXT = {"vocab_size": 4000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -115,13 +119,42 @@ def sweep_models() -> list:
     return entries
 
 
-#: milliseconds of runs per file and round: the sweep's models take 1-30 ms, and a round of six runs
-#: of a 1 ms file (what the zoo's larger models are timed with) moved ratios by ±0.15 between runs
-ROUND_MS = float(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUND_MS", "150"))
+@dataclass(frozen=True)
+class Config:
+    """What one sweep measures.
+
+    Attributes:
+        families: the families to run (``[]``: all of them).
+        rounds: interleaved timing rounds per family (at least 20 for a verdict near a goal's line).
+        round_ms: milliseconds of runs per file and round: the sweep's models take 1-30 ms, and a
+            round of six runs of a 1 ms file moved ratios by ±0.15 between runs.
+    """
+
+    families: tuple[str, ...] = ()
+    rounds: int = 8
+    round_ms: float = 150.0
 
 
-def _runs_for(fp32: Path, sample) -> int:
-    """Runs per round so that a round of the FP32 file lasts about ``ROUND_MS`` (6 to 200)."""
+def config_from(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(prog="python -m bench sweep")
+    parser.add_argument("--families", default=os.environ.get("ONNXPORT_BENCH_SWEEP", ""),
+                        help="comma-separated families (default: all)")
+    parser.add_argument("--text", action="store_true", help="every text family (encoders and decoders)")
+    parser.add_argument("--rounds", type=int, default=int(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUNDS", "8")))
+    parser.add_argument("--round-ms", type=float, default=float(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUND_MS", "150")))
+    args = parser.parse_args(argv or [])
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    if args.text:
+        families += [f for f in (*ENCODERS, *DECODERS) if f not in families]
+    known = {*ENCODERS, *DECODERS, *VISION}
+    unknown = [f for f in families if f not in known]
+    if unknown:
+        parser.error(f"unknown families {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+    return Config(tuple(families), args.rounds, args.round_ms)
+
+
+def _runs_for(fp32: Path, sample, round_ms: float) -> int:
+    """Runs per round so that a round of the FP32 file lasts about ``round_ms`` (6 to 200)."""
     from onnxport.runtime import make_session
 
     session = make_session(str(fp32), optimized=True)
@@ -132,10 +165,10 @@ def _runs_for(fp32: Path, sample) -> int:
     for _ in range(5):
         session.run(None, feed)
     each = (time.perf_counter() - start) / 5 * 1e3
-    return max(6, min(200, round(ROUND_MS / max(each, 1e-3))))
+    return max(6, min(200, round(round_ms / max(each, 1e-3))))
 
 
-def _one(entry, out: Path) -> dict:
+def _one(entry, out: Path, config: Config) -> dict:
     import torch
 
     from onnxport import Quantizer, compare_qdq, export_onnx, export_qdq
@@ -184,8 +217,8 @@ def _one(entry, out: Path) -> dict:
     result["seconds_ort"] = time.perf_counter() - start
     start = time.perf_counter()
     with torch.no_grad():
-        # the sweep's own rounds: ONNXPORT_BENCH_SWEEP_ROUNDS did not reach the zoo's loop before
-        rounds = _latencies(files, {1: sample.numpy()}, runs=_runs_for(files["fp32"], sample.numpy()), rounds=ROUNDS)
+        runs = _runs_for(files["fp32"], sample.numpy(), config.round_ms)
+        rounds = _latencies(files, {1: sample.numpy()}, runs=runs, rounds=config.rounds)
     result["seconds_timing"] = time.perf_counter() - start
     result["speedup"] = {name: statistics.median(f / t for f, t in zip(rounds["fp32"][1], ms[1]))
                          for name, ms in rounds.items()}
@@ -201,22 +234,22 @@ def _one(entry, out: Path) -> dict:
     return result
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(argv: list[str] | None = None, out_dir: Path | None = None) -> dict:
     import logging
     import sys
     import warnings
 
     from onnxport import cpu_int8
 
+    config = config_from(argv)
     if out_dir is None:
         with tempfile.TemporaryDirectory(prefix="onnxport-bench-sweep-") as scratch:
-            return run(Path(scratch))
-    chosen = [n.strip() for n in os.environ.get("ONNXPORT_BENCH_SWEEP", "").split(",") if n.strip()]
+            return run(argv, Path(scratch))
     out = Path(out_dir)
     logging.getLogger("torch").setLevel(logging.ERROR)
-    results: dict = {"_isa": cpu_int8().describe()}
+    results: dict = {"_isa": cpu_int8().describe(), "_rounds": config.rounds}
     for entry in sweep_models():
-        if chosen and entry.name not in chosen:
+        if config.families and entry.name not in config.families:
             continue
         start = time.perf_counter()
         folder = out / entry.name
@@ -224,7 +257,7 @@ def run(out_dir: Path | None = None) -> dict:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                results[entry.name] = _one(entry, folder)
+                results[entry.name] = _one(entry, folder, config)
         except Exception as error:  # noqa: BLE001 — one family failing is a row of the table, not the end
             results[entry.name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]}
         results[entry.name]["seconds"] = time.perf_counter() - start
@@ -241,7 +274,7 @@ def report(results: dict) -> str:
     lines = [
         "The sweep on ONNX Runtime (CPU), batch 1, fixed shapes: x = FP32 latency / file latency (median of the rounds' ratios);",
         "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr').",
-        f"CPU: {results.get('_isa', 'see results.json')}",
+        f"CPU: {results.get('_isa', 'see the run results file')}; {results.get('_rounds', 8)} rounds",
         "",
         ("| model | ours | ORT best (which) | ours / ORT best | cosine as deployed (floor min–max) | INT8 in ORT: ours | ORT best's "
         "| float or costlier than float in our file (qdq_report) |"),

@@ -239,7 +239,7 @@ def report(results: dict) -> str:
         "The zoo on ONNX Runtime (CPU): every path, fidelity of each target's file to its pt2e model, and the",
         "'onnxruntime' file's speed (x = FP32 latency / file latency, median of the rounds' ratios) against ORT's quantize_static",
         "and quantize_dynamic files of the same model, each at ORT's defaults and with reduce_range ('rr', 7-bit weights).",
-        f"CPU: {results.get('_isa', 'see results.json')}",
+        f"CPU: {results.get('_isa', 'see the run results file')}",
         "",
         ("| model | export_onnx | " + " | ".join(f"{t} cos / steps" for t in TARGETS) + " "
          "| pt2e vs itself, 1 ulp (3 seeds) | ours b1 | ORT static b1 | ORT static rr b1 | ORT dynamic b1 "
