@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
@@ -21,6 +21,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 from torchao.quantization.pt2e.quantizer.quantizer import Q_ANNOTATION_KEY
 
+from ..targets import Annotation
 from .decompose import ATTENTION_ROLE
 
 aten = torch.ops.aten
@@ -42,41 +43,16 @@ def annotates(*targets: object) -> Callable[[Annotator], Annotator]:
 
 @dataclass(frozen=True)
 class AnnotationContext:
+    """What every annotator reads: the specs to give, and the target's :class:`Annotation` (which
+    patterns its consumer runs in INT8, documented there) as the target declares it."""
+
     activation: QuantizationSpec
     weight: QuantizationSpec
     weight_transposed: QuantizationSpec  # axis 1: ConvTranspose weights are (in, out/groups, …)
     is_qat: bool
     #: Activations produced by a ReLU-like epilogue use this spec (the unsigned range for ORT).
     post_relu: QuantizationSpec | None = None
-    #: The consumer runs Sigmoid and LeakyReLU between Q/DQ pairs (ORT's QLinearSigmoid,
-    #: QLinearLeakyRelu): quantize their inputs and outputs, and split SiLU into x·sigmoid(x) so
-    #: that both halves run in INT8.
-    int8_sigmoid: bool = False
-    #: The consumer runs MatMuls of two activations in INT8: attention is split into its two
-    #: products and softmax (``decompose.split_attention``) and those are quantized.
-    int8_attention: bool = False
-    #: Quantize the bias of every Conv and Gemm to int32 at (input scale × weight scale). ONNX
-    #: Runtime rounds a float bias beside dequantized inputs that way itself (its
-    #: BiasQuantization step); a model that rounds it first computes what ORT computes.
-    int32_bias: bool = False
-    #: Leave a linear layer's output float when nothing reads it quantized (a model output, or
-    #: float ops only). The consumer runs that layer on quantized inputs with a float output; a
-    #: pair there would requantize and dequantize, for nothing, what may be the largest tensor of
-    #: a language model (GPT-2's logits: 128 × 50257).
-    float_linear_outputs: bool = False
-    #: Leave a product of two activations float (ONNX Runtime: its QLinearMatMul of two uint8
-    #: tensors is no faster than the float MatMul, and the pairs around it cost a pass each).
-    float_activation_products: bool = False
-    #: Quantize an Add/Mul only when both operands are activations their producers quantize. ONNX
-    #: Runtime runs an elementwise op in INT8 only between pairs on both inputs (a float constant
-    #: operand, such as GELU's 0.5 or a layer scale, keeps it float), and an INT8 Add/Mul beside
-    #: float producers costs a QuantizeLinear per operand and a DequantizeLinear after it: more
-    #: than the float op, which reads and writes as many bytes, and a rounding more.
-    elementwise_on_quantized: bool = False
-    #: The consumer adds a residual Add's other operand inside the conv or linear layer that
-    #: computes one operand (oneDNN's sum post-op, OpenVINO's CPU plugin) and does not round that
-    #: layer's output to its pair first: leave it float, so the model computes what runs.
-    fused_sum: bool = False
+    annotation: Annotation = field(default_factory=Annotation)
     #: Activations are quantized at run time (``activation`` is a dynamic spec): only the inputs
     #: of linear layers (``nn.Linear``, addmm, a product with a parameter matrix) are quantized,
     #: nothing's output, and convolutions and everything else stay float.
@@ -266,7 +242,7 @@ def _bias_spec(x: Node, weight: Node, node: Node, ctx: AnnotationContext) -> Der
 def _with_bias(inputs: dict[Node, object], bias: object, x: Node, weight: Node, node: Node,
                ctx: AnnotationContext) -> dict[Node, object]:
     """Add the bias's int32 spec where the file will hold a Conv or Gemm (ORT rounds only those)."""
-    if ctx.int32_bias and not ctx.is_qat and isinstance(bias, Node) and bias.op == "get_attr" \
+    if ctx.annotation.int32_bias and not ctx.is_qat and isinstance(bias, Node) and bias.op == "get_attr" \
             and weight.op == "get_attr":
         inputs[bias] = _bias_spec(x, weight, node, ctx)
     return inputs
@@ -354,7 +330,7 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
         node.meta[_WEIGHT_PRODUCT] = True
         _annotate_with_epilogue(node, {x: input_spec(x, ctx), weight: ctx.weight_transposed}, ctx)
         return
-    if node.target in _PRODUCTS and ctx.float_activation_products:
+    if node.target in _PRODUCTS and ctx.annotation.float_activation_products:
         return
     # A parameter, or a tensor computed from parameters alone (a position embedding looked up by
     # an arange, a causal mask), stays float: it is no activation. Quantized as one, the exporter
@@ -363,7 +339,7 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
     inputs = {a: input_spec(a, ctx) for a in node.args[:2] if is_float_tensor(a) and not is_constant(a)}
     if not inputs:
         return
-    if ctx.elementwise_on_quantized and node.target not in _PRODUCTS and not _reads_quantized_operands(node):
+    if ctx.annotation.elementwise_on_quantized and node.target not in _PRODUCTS and not _reads_quantized_operands(node):
         return
     # a ReLU after the product or sum is folded into its output pair, as after a conv (ReXNet's
     # ReLU6 after its squeeze-excite product)
@@ -373,7 +349,7 @@ def _binary(node: Node, ctx: AnnotationContext) -> None:
 @annotates(aten.sigmoid.default)
 def _sigmoid(node: Node, ctx: AnnotationContext) -> None:
     x = node.args[0]
-    if not (ctx.int8_sigmoid and is_float_tensor(x)):
+    if not (ctx.annotation.int8_sigmoid and is_float_tensor(x)):
         return
     # (0, 1): an unsigned range starting at 0 spends no code on negatives, where the consumer has one
     _annotate(node, {x: input_spec(x, ctx)}, ctx.post_relu or ctx.activation)
@@ -385,7 +361,7 @@ def _leaky_relu(node: Node, ctx: AnnotationContext) -> None:
     # the consumer that runs Sigmoid from a table (ORT's QLinearSigmoid) runs LeakyReLU so too
     # (QLinearLeakyRelu); unannotated, a LeakyReLU whose reader is an Add (CSPDarknet's residual
     # blocks) left that Add, and itself, in float between pairs
-    if ctx.int8_sigmoid and is_float_tensor(x):
+    if ctx.annotation.int8_sigmoid and is_float_tensor(x):
         _annotate(node, {x: input_spec(x, ctx)}, ctx.activation)
 
 
@@ -512,10 +488,10 @@ def annotate_graph(model: GraphModule, ctx: AnnotationContext) -> GraphModule:
         annotator = _ANNOTATORS.get(node.target)
         if annotator is not None:
             annotator(node, ctx)
-    if ctx.float_linear_outputs:
+    if ctx.annotation.float_linear_outputs:
         _leave_unread_concats_float(model)
         _leave_linear_outputs_float(model)
-    if ctx.fused_sum:
+    if ctx.annotation.fused_sum:
         _leave_summed_outputs_float(model)
     return model
 

@@ -83,9 +83,9 @@ class OnnxportPT2EQuantizer(_PT2EQuantizerBase):
         if not self.ctx.is_qat:  # QAT trains the scale and the weights apart: leave them apart
             model = fold_channel_scales(model)
             model = retarget_inference_batch_norms(model)
-        if self.ctx.int8_sigmoid:
+        if self.ctx.annotation.int8_sigmoid:
             model = split_silu(model)
-        if self.ctx.int8_attention:
+        if self.ctx.annotation.int8_attention:
             model = split_attention(model)
         return model
 
@@ -408,13 +408,7 @@ class Quantizer:
             weight_transposed=weight_qspec(per_channel, is_qat, axis=1, portable=portable),
             is_qat=is_qat,
             post_relu=post_relu,
-            int8_sigmoid=annotation.int8_sigmoid,
-            int8_attention=annotation.int8_attention,
-            float_activation_products=annotation.float_activation_products,
-            fused_sum=annotation.fused_sum,
-            float_linear_outputs=annotation.float_linear_outputs,
-            elementwise_on_quantized=annotation.elementwise_on_quantized,
-            int32_bias=annotation.int32_bias,
+            annotation=annotation,
         )
         return OnnxportPT2EQuantizer(ctx, self.qdq_placement, self.skip_activations, self.float_layers)
 

@@ -35,14 +35,20 @@ class Annotation:
             p·v, split from SDPA or written by hand) float: the consumer's INT8 form of it is no
             faster than its float one.
         float_linear_outputs: leave a linear layer's output that nothing reads quantized
-            unquantized: the consumer has a Gemm/MatMul with quantized inputs and a float output.
+            unquantized: the consumer has a Gemm/MatMul with quantized inputs and a float output,
+            and a pair there would requantize, for nothing, what may be a language model's largest
+            tensor (GPT-2's logits: 128 × 50257).
         elementwise_on_quantized: quantize an Add/Mul only when both operands already are: the
-            consumer runs it in INT8 only between pairs.
+            consumer runs it in INT8 only between pairs (a float constant operand, such as GELU's
+            0.5, keeps it float), and an INT8 Add/Mul beside float producers costs a
+            QuantizeLinear per operand and a DequantizeLinear after it: more than the float op.
         fused_sum: leave a conv or linear layer's output float when its only reader is a quantized
             residual Add: the consumer adds the other operand inside that layer (oneDNN's sum
             post-op) without rounding the layer's output to a pair first.
         int32_bias: store Conv/Linear biases as int32 (scale = input scale x weight scale), which
-            the consumer reads as its integer kernels' bias; otherwise biases stay float.
+            the consumer reads as its integer kernels' bias; otherwise biases stay float. ONNX
+            Runtime rounds a float bias beside dequantized inputs so itself (its BiasQuantization
+            step): a model that rounds it first computes what ORT computes.
         portable_weights: keep int8 weights on [-64, 64] unless told otherwise: the consumer runs
             U8S8 kernels on x86 CPUs, which without VNNI add two products in a saturating int16.
     """
