@@ -432,3 +432,24 @@ def test_non_cpu_model_is_refused():
         Quantizer().quantize(model, [torch.randn(2, 4)])
     with pytest.raises(InvalidArgumentError, match="must be a torch.nn.Module"):
         Quantizer().quantize("model", [torch.randn(2, 4)])
+
+
+def test_the_keyword_form_builds_a_typed_config_that_builds_the_same_quantizer_back():
+    from typing import get_args
+
+    from onnxport.quantize import PT2EConfig, TorchaoConfig
+    from onnxport.quantize.config import TargetName
+    from onnxport.targets import TARGETS
+
+    assert set(get_args(TargetName)) == set(TARGETS)  # the type names every preset, and nothing else
+    ort = Quantizer(target="onnxruntime", observer="minmax", float_layers=["fc"])
+    assert ort.config == PT2EConfig(observer="minmax", float_layers=("fc",), target="onnxruntime",
+                                    weight_range="portable", symmetric=True)
+    assert Quantizer(activations="dynamic").config.activations == "dynamic"
+    int4 = Quantizer(backend="torchao", method="int4_weight_only", group_size=32)
+    assert int4.config == TorchaoConfig("int4_weight_only", qscheme="per_group", group_size=32)
+    for quantizer in (ort, int4, Quantizer(activations="dynamic"), Quantizer(method="qat", symmetric=False)):
+        again = Quantizer.from_config(quantizer.config)
+        assert again.config == quantizer.config and again.spec() == quantizer.spec()
+    with pytest.raises(InvalidArgumentError, match="config must be a PT2EConfig or a TorchaoConfig"):
+        Quantizer.from_config({"method": "static"})  # type: ignore[arg-type]

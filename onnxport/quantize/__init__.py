@@ -20,7 +20,8 @@ def _quiet_torchao_import() -> None:
 
 _quiet_torchao_import()
 
+from .config import PT2EConfig, TorchaoConfig
 from .quantizer import Quantizer
 from .spec import QuantSpec, precision_table, quant_spec
 
-__all__ = ["QuantSpec", "Quantizer", "precision_table", "quant_spec"]
+__all__ = ["PT2EConfig", "QuantSpec", "Quantizer", "TorchaoConfig", "precision_table", "quant_spec"]

@@ -21,6 +21,22 @@ from ..targets import TARGETS, get_target
 from .annotate import AnnotationContext, annotate_graph
 from .batch_norm import retarget_inference_batch_norms
 from .calibration import read_calibration
+from .config import (
+    ACTIVATION_MODES,
+    BACKENDS,
+    PT2E_METHODS,
+    QSCHEMES,
+    TORCHAO_METHODS,
+    WEIGHT_ONLY_QSCHEMES,
+    Activations,
+    Backend,
+    Observer,
+    Placement,
+    PT2EConfig,
+    TargetName,
+    TorchaoConfig,
+    WeightRange,
+)
 from .decompose import split_attention, split_silu
 from .fold import fold_channel_scales
 from .observers import OBSERVERS, activation_qspec, dynamic_activation_qspec, weight_qspec
@@ -28,15 +44,8 @@ from .placement import PLACEMENTS, check_skip_names, skip_activations, skip_conv
 from .spec import QuantSpec, attach_spec
 from .weight_only import WEIGHT_ONLY_BITS, drop_bound_reprs, quantize_weight_only
 
-BACKENDS = ("pt2e", "torchao")
-PT2E_METHODS = ("static", "qat")
-#: pt2e activations: scales from calibration, or computed from each tensor at run time.
-ACTIVATION_MODES = ("static", "dynamic")
 #: Targets whose consumers compute a dynamic activation scale (``DynamicQuantizeLinear``).
 DYNAMIC_TARGETS = (None, "onnxruntime")
-TORCHAO_METHODS = ("int8_weight_only", "int8_dynamic", "int4_weight_only")
-QSCHEMES = ("per_channel", "per_tensor")
-WEIGHT_ONLY_QSCHEMES = ("per_group", "per_channel")
 
 
 class AffineActivationWarning(OnnxportWarning):
@@ -239,21 +248,21 @@ class Quantizer:
 
     def __init__(
         self,
-        backend: str = "pt2e",
+        backend: Backend = "pt2e",
         method: str | None = None,
         *,
         qscheme: str | None = None,
         symmetric: bool = True,
-        observer: str = "histogram",
-        qdq_placement: str = "per_op",
+        observer: Observer = "histogram",
+        qdq_placement: Placement = "per_op",
         skip_activations: Sequence[str] | None = None,
         float_layers: Sequence[str] | None = None,
         group_size: int = 128,
         quantize_embeddings: bool = False,
-        target: str | None = None,
+        target: TargetName | None = None,
         activation_bits: int = 8,
-        weight_range: str | None = None,
-        activations: str = "static",
+        weight_range: WeightRange | None = None,
+        activations: Activations = "static",
     ) -> None:
         self.backend = check_choice(backend, BACKENDS, "backend")
         self.activations = check_choice(activations, ACTIVATION_MODES, "activations")
@@ -343,6 +352,39 @@ class Quantizer:
                 AffineActivationWarning,
                 stacklevel=2,
             )
+
+    @property
+    def config(self) -> PT2EConfig | TorchaoConfig:
+        """The choices this quantizer resolved (target defaults applied), as one typed object."""
+        if self.backend == "pt2e":
+            return PT2EConfig(
+                method=self.method, activations=self.activations, qscheme=self.qscheme,
+                symmetric=self.symmetric, observer=self.observer, qdq_placement=self.qdq_placement,
+                skip_activations=tuple(self.skip_activations), float_layers=tuple(self.float_layers),
+                target=self.target, activation_bits=self.activation_bits,
+                weight_range=self.weight_range,
+            )
+        return TorchaoConfig(
+            method=self.method, qscheme=self.qscheme, symmetric=self.symmetric,
+            group_size=self.group_size if self.qscheme == "per_group" else None,
+            quantize_embeddings=self.quantize_embeddings,
+        )
+
+    @classmethod
+    def from_config(cls, config: PT2EConfig | TorchaoConfig) -> Quantizer:
+        """The quantizer a :class:`PT2EConfig` or :class:`TorchaoConfig` describes, validated as
+        the keyword form is: ``Quantizer.from_config(q.config)`` quantizes as ``q`` does."""
+        if isinstance(config, PT2EConfig):
+            return cls("pt2e", config.method, activations=config.activations, qscheme=config.qscheme,
+                       symmetric=config.symmetric, observer=config.observer, qdq_placement=config.qdq_placement,
+                       skip_activations=list(config.skip_activations), float_layers=list(config.float_layers),
+                       target=config.target, activation_bits=config.activation_bits, weight_range=config.weight_range)
+        if isinstance(config, TorchaoConfig):
+            return cls("torchao", config.method, qscheme=config.qscheme, symmetric=config.symmetric,
+                       group_size=config.group_size or 128, quantize_embeddings=config.quantize_embeddings)
+        raise InvalidArgumentError(
+            f"config must be a PT2EConfig or a TorchaoConfig (onnxport.quantize), not {type(config).__name__}."
+        )
 
     def __repr__(self) -> str:
         return (
