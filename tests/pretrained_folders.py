@@ -113,6 +113,75 @@ def clip(folder: Path) -> Path:
     return folder
 
 
+def _saved(folder: Path, model: torch.nn.Module, tokenizer: bool = False) -> Path:
+    model.config.architectures = [type(model).__name__]
+    model.eval().save_pretrained(folder)
+    if tokenizer:
+        _bert_tokenizer(folder)
+    return folder
+
+
+def bert_head(head: str) -> Callable[[Path], Path]:
+    """A BERT folder with another head (masked LM, multiple choice, or none: the bare encoder)."""
+    def build(folder: Path) -> Path:
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.BertConfig(vocab_size=len(WORDS), num_labels=3, **TEXT)
+        return _saved(folder, getattr(transformers, head)(config), tokenizer=True)
+    return build
+
+
+def dinov2(folder: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, image_size=32, patch_size=8)
+    return _saved(folder, transformers.Dinov2Model(config))
+
+
+def yolos(folder: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.YolosConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      image_size=[64, 64], patch_size=16, num_detection_tokens=5, num_labels=3)
+    return _saved(folder, transformers.YolosForObjectDetection(config))
+
+
+def detr(folder: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], embedding_size=16,
+                                         out_features=["stage4"])
+    config = transformers.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+                                     d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
+                                     num_labels=3)
+    return _saved(folder, transformers.DetrForObjectDetection(config))
+
+
+def ast(folder: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                    max_length=64, num_mel_bins=32, num_labels=3)
+    return _saved(folder, transformers.ASTForAudioClassification(config))
+
+
+def whisper_classifier(folder: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                                        decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
+                                        num_mel_bins=16, max_source_positions=50, num_labels=3, vocab_size=100)
+    return _saved(folder, transformers.WhisperForAudioClassification(config))
+
+
 FOLDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "bert text-classification": (bert, "text-classification"),
     "distilbert question-answering": (distilbert_qa, "question-answering"),
@@ -122,4 +191,13 @@ FOLDERS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "segformer semantic-segmentation": (segformer, "semantic-segmentation"),
     "wav2vec2 automatic-speech-recognition": (wav2vec2, "automatic-speech-recognition"),
     "clip zero-shot-image-classification": (clip, "zero-shot-image-classification"),
+    "bert fill-mask": (bert_head("BertForMaskedLM"), "fill-mask"),
+    "bert multiple-choice": (bert_head("BertForMultipleChoice"), "multiple-choice"),
+    "bert feature-extraction": (bert_head("BertModel"), "feature-extraction"),
+    "dinov2 image-feature-extraction": (dinov2, "image-feature-extraction"),
+    "yolos object-detection": (yolos, "object-detection"),
+    "detr object-detection": (detr, "object-detection"),
+    "wav2vec2 audio-classification": (lambda f: wav2vec2(f, "Wav2Vec2ForSequenceClassification"), "audio-classification"),
+    "ast audio-classification": (ast, "audio-classification"),
+    "whisper audio-classification": (whisper_classifier, "audio-classification"),
 }

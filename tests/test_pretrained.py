@@ -22,8 +22,17 @@ from tests import pretrained_folders as folders
 
 ROOT = Path(__file__).resolve().parents[1]
 
-EXPECTED = {  # task: (inputs, outputs)
-    "text-classification": (["input_ids", "attention_mask", "token_type_ids"], ["logits"]),
+BERT_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
+EXPECTED = {  # task, or the folder's name where one task has several forms: (inputs, outputs)
+    "text-classification": (BERT_INPUTS, ["logits"]),
+    "fill-mask": (BERT_INPUTS, ["logits"]),
+    "multiple-choice": (BERT_INPUTS, ["logits"]),
+    "feature-extraction": (BERT_INPUTS, ["last_hidden_state", "pooler_output"]),
+    "image-feature-extraction": (["pixel_values"], ["last_hidden_state", "pooler_output"]),
+    "object-detection": (["pixel_values"], ["logits", "pred_boxes"]),
+    "wav2vec2 audio-classification": (["input_values"], ["logits"]),
+    "ast audio-classification": (["input_values"], ["logits"]),
+    "whisper audio-classification": (["input_features"], ["logits"]),
     "question-answering": (["input_ids", "attention_mask"], ["start_logits", "end_logits"]),
     "token-classification": (["input_ids", "attention_mask", "token_type_ids"], ["logits"]),
     "image-classification": (["pixel_values"], ["logits"]),
@@ -43,7 +52,7 @@ def test_every_folder_exports_with_its_names_axes_and_proofs(tmp_path, name):
     build, task = folders.FOLDERS[name]
     source = build(tmp_path / "model")
     result = export_pretrained(source, tmp_path / "out")  # task='auto': read from config.json
-    inputs, outputs = EXPECTED[task]
+    inputs, outputs = EXPECTED.get(name, EXPECTED.get(task, ([], [])))
     assert result.task == task and result.inputs == inputs and result.outputs == outputs
     assert result.path == tmp_path / "out" / "model.onnx"
     onnx.checker.check_model(str(result.path), full_check=True)
@@ -53,6 +62,8 @@ def test_every_folder_exports_with_its_names_axes_and_proofs(tmp_path, name):
         for axis, label in result.axes[value.name].items():
             assert _dims(value)[axis] == label
     assert result.axes[inputs[0]][0] in ("batch", "text_batch")
+    if task == "multiple-choice":  # the choices are an axis of their own
+        assert result.axes["input_ids"] == {0: "batch", 1: "choices", 2: "sequence"}
     # proven at two sizes of every symbolic axis, each output within the model's own float floor
     assert [p["size"] for p in result.proofs] == ["sample", "one longer on every symbolic axis"]
     for proof in result.proofs:

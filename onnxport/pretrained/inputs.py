@@ -54,7 +54,7 @@ def modality_of(model: torch.nn.Module, task: Task) -> str:
     if task.modality is not None and task.name not in ("feature-extraction", "image-feature-extraction"):
         return task.modality
     main = getattr(model, "main_input_name", "input_ids")
-    return {"pixel_values": "vision", "input_values": "audio"}.get(main, "text")
+    return {"pixel_values": "vision", "input_values": "audio", "input_features": "audio"}.get(main, "text")
 
 
 def _tokens(config: Any, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -104,6 +104,25 @@ def _pixels(config: Any, batch: int, generator: torch.Generator) -> torch.Tensor
     return torch.randn(batch, channels, height, width, generator=generator)
 
 
+def _spectrogram(model: torch.nn.Module, config: Any, generator: torch.Generator) -> Signature | None:
+    """Audio models that read features rather than the waveform, at the fixed length their position
+    embeddings hold: Whisper-style ``input_features`` ``[batch, mel bins, frames]`` (two frames per
+    encoder position), AST-style ``input_values`` ``[batch, frames, mel bins]``; ``None`` for a
+    waveform model."""
+    mel = getattr(config, "num_mel_bins", None)
+    if not isinstance(mel, int):
+        return None
+    if getattr(model, "main_input_name", None) == "input_features":
+        positions = getattr(config, "max_source_positions", 1500)
+        features = torch.randn(BATCH, mel, 2 * positions, generator=generator)
+        return Signature(["input_features"], [features], {"input_features": {0: "batch"}})
+    frames = getattr(config, "max_length", None)
+    if isinstance(frames, int):
+        return Signature(["input_values"], [torch.randn(BATCH, frames, mel, generator=generator)],
+                         {"input_values": {0: "batch"}})
+    return None
+
+
 def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[str, Any] | None = None) -> Signature:
     """The example inputs and symbolic axes of ``model`` for ``task`` (no output names yet)."""
     config = model.config
@@ -117,6 +136,9 @@ def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[st
     if modality == "vision":
         return Signature(["pixel_values"], [_pixels(config, BATCH, generator)], {"pixel_values": {0: "batch"}})
     if modality == "audio":
+        spectrogram = _spectrogram(model, config, generator)
+        if spectrogram is not None:
+            return spectrogram
         rate = (preprocessor or {}).get("sampling_rate", DEFAULT_SAMPLING_RATE)
         samples = int(rate * AUDIO_SECONDS)
         return Signature(["input_values"], [torch.randn(BATCH, samples, generator=generator) * 0.1],
