@@ -40,8 +40,11 @@ def _imports() -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([node.module] if node.module else []))
-                found.add(base)
-                found.update(f"{base}.{alias.name}" for alias in node.names)
+                # `from . import _io` imports the module _io; `from .. import __version__` the package
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base)
+                if node.module:
+                    found.add(base)
         edges[name] = {m for m in found if m in files and m != name}
     return edges
 
@@ -79,6 +82,13 @@ def _cycles(edges: dict[str, set[str]], depth: int) -> list[list[str]]:
 def test_no_import_cycle(depth):
     cycles = _cycles(_imports(), depth)
     assert not cycles, f"modules that import each other (directly or through others): {cycles}"
+
+
+def test_only_the_front_modules_import_the_package_root():
+    # the root imports every layer (its lazy public names): a layer that reads it points back up
+    front = {"onnxport.cli", "onnxport.demo", "onnxport.__main__"}
+    upward = sorted(m for m, targets in _imports().items() if "onnxport" in targets and m not in front | {"onnxport"})
+    assert not upward, f"modules that import the package root: {upward}"
 
 
 def test_the_cycle_finder_finds_a_cycle():

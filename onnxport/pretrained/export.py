@@ -303,7 +303,7 @@ def _record(result: PretrainedExport, loaded: Loaded) -> dict[str, Any]:
     import onnxruntime
     import transformers
 
-    from .. import __version__
+    from .._version import __version__
 
     return {
         "task": result.task, "source": loaded.description, "model_file": MODEL_FILE,
