@@ -30,7 +30,7 @@ def _one(entry, axes: dict, short: int | None, out: Path) -> dict:
     import torch
 
     from onnxport import Quantizer, export_onnx, export_qdq
-    from onnxport.qdq.stats import ort_optimised_ops
+    from onnxport.inspection.stats import ort_optimised_ops
 
     model = entry.model()
     sample = entry.sample(batch=1)

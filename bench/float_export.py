@@ -23,7 +23,7 @@ from tests.models import ResNet18
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import export_onnx
-    from onnxport.qdq.stats import ort_optimised_ops
+    from onnxport.inspection.stats import ort_optimised_ops
 
     torch.manual_seed(0)
     model = ResNet18().eval()

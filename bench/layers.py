@@ -97,7 +97,7 @@ def _case(name: str, model: nn.Module, calibration: list, sample: torch.Tensor, 
     full = next(r for r in report.rows if r.kind == "output")
     start = time.perf_counter()
     # a budget just above what full INT8 reaches, so the search has to keep layers float
-    from onnxport.qdq.sensitivity import model_outputs, score
+    from onnxport.debug.sensitivity import model_outputs, score
 
     reference = model_outputs(model, [(sample,)])
     reached = score(reference, model_outputs(quantized, [(sample,)]), "cosine")

@@ -21,7 +21,7 @@ from tests.models import ResNet18
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
-    from onnxport.qdq.stats import ort_optimised_ops
+    from onnxport.inspection.stats import ort_optimised_ops
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-qdq-"))
     torch.manual_seed(0)

@@ -171,10 +171,9 @@ def _runs_for(fp32: Path, sample, round_ms: float) -> int:
 def _one(entry, out: Path, config: Config) -> dict:
     import torch
 
+    from bench.zoo import _fused, _latencies, input_name
     from onnxport import Quantizer, compare_qdq, export_onnx, export_qdq
     from onnxport.passes.ort_quantize import OrtQuantizeOptions, quantize_file
-
-    from .zoo import _fused, _latencies, input_name
 
     model = entry.model()
     if entry.kind == "tokens":  # the sweep's text models hold their vocabulary at _TEXT's size
@@ -227,7 +226,7 @@ def _one(entry, out: Path, config: Config) -> dict:
     result["ort_best"] = best
     result["ours_vs_ort_best"] = result["speedup"]["ours"] / ort[best] if best else None
     if best:  # what ORT runs in INT8 in its own best file, beside ours
-        from onnxport.qdq.stats import ort_int8_counts
+        from onnxport.inspection.stats import ort_int8_counts
 
         result["ort_best_int8"] = {op: f"{c['int8']}/{c['int8'] + c['float']}"
                                    for op, c in ort_int8_counts(files[best]).items() if c["int8"] or c["float"]}

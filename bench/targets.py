@@ -20,7 +20,7 @@ from tests.models import MobileNetV2Small, ResNet18
 
 def run(out_dir: Path | None = None) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
-    from onnxport.qdq.stats import ort_int8_counts
+    from onnxport.inspection.stats import ort_int8_counts
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-targets-"))
     results: dict = {}

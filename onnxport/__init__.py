@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 _EXPORTS = {
-    "export_onnx": ".export",
+    "export_onnx": ".exporters.float",
     "ONNXModel": ".runtime",
     "compare_onnx": ".compare.exported",
     "verify_onnx": ".compare.exported",
@@ -40,24 +40,24 @@ _EXPORTS = {
     "QuantSpec": ".quantize",
     "quant_spec": ".quantize",
     "precision_table": ".quantize",
-    "sensitivity": ".qdq.sensitivity",
-    "quantize_within_budget": ".qdq.sensitivity",
-    "BudgetResult": ".qdq.sensitivity",
-    "export_qdq": ".qdq.export",
-    "qdq_stats": ".qdq.stats",
-    "qdq_report": ".qdq.stats",
-    "QDQStats": ".qdq.stats",
-    "QDQReport": ".qdq.stats",
-    "verify_qdq": ".qdq.verify",
-    "compare_qdq": ".qdq.verify",
-    "QDQComparison": ".qdq.verify",
+    "sensitivity": ".debug.sensitivity",
+    "quantize_within_budget": ".debug.sensitivity",
+    "BudgetResult": ".debug.sensitivity",
+    "export_qdq": ".exporters.qdq",
+    "qdq_stats": ".inspection.stats",
+    "qdq_report": ".inspection.stats",
+    "QDQStats": ".inspection.stats",
+    "QDQReport": ".inspection.stats",
+    "verify_qdq": ".compare.quantized",
+    "compare_qdq": ".compare.quantized",
+    "QDQComparison": ".compare.quantized",
     "rounding_floor": ".rounding",
-    "cpu_int8": "._cpu",
-    "CPUInt8": "._cpu",
-    "compare_layers": ".qdq.layers",
-    "LayerReport": ".qdq.layers",
-    "LayerRow": ".qdq.layers",
-    "check_target": ".qdq.rules",
+    "cpu_int8": "._core.cpu",
+    "CPUInt8": "._core.cpu",
+    "compare_layers": ".debug.layers",
+    "LayerReport": ".debug.layers",
+    "LayerRow": ".debug.layers",
+    "check_target": ".inspection.rules",
     "encodings_to_onnx_qdq": ".encodings",
     "onnx_qdq_to_encodings": ".encodings",
     "strip_qdq": ".encodings",
@@ -71,9 +71,12 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 -- sorted() is a list; one table holds the names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._cpu import CPUInt8, cpu_int8
+    from ._core.cpu import CPUInt8, cpu_int8
     from .compare import OutputResult, Report, RunResults, compare_runs, run_onnx, run_torch
     from .compare.exported import ComparisonReport, OutputComparison, compare_onnx, verify_onnx
+    from .compare.quantized import QDQComparison, compare_qdq, verify_qdq
+    from .debug.layers import LayerReport, LayerRow, compare_layers
+    from .debug.sensitivity import BudgetResult, quantize_within_budget, sensitivity
     from .encodings import encodings_to_onnx_qdq, onnx_qdq_to_encodings, strip_qdq
     from .engine import save_model
     from .errors import (
@@ -89,15 +92,12 @@ if TYPE_CHECKING:  # pragma: no cover
         WeakerCheckWarning,
         WriteError,
     )
-    from .export import export_onnx
+    from .exporters.float import export_onnx
+    from .exporters.qdq import export_qdq
+    from .inspection.rules import check_target
+    from .inspection.stats import QDQReport, QDQStats, qdq_report, qdq_stats
     from .llm import DecoderFile, export_decoder, generate  # type: ignore[no-redef]  # the module, shadowed by name
     from .pretrained import PretrainedExport, export_pretrained
-    from .qdq.export import export_qdq
-    from .qdq.layers import LayerReport, LayerRow, compare_layers
-    from .qdq.rules import check_target
-    from .qdq.sensitivity import BudgetResult, quantize_within_budget, sensitivity
-    from .qdq.stats import QDQReport, QDQStats, qdq_report, qdq_stats
-    from .qdq.verify import QDQComparison, compare_qdq, verify_qdq
     from .quantize import Quantizer, QuantSpec, precision_table, quant_spec
     from .rounding import rounding_floor
     from .runtime import ONNXModel

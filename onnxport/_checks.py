@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ._io import needs_external_data, walk_graphs
-from ._ir import opset_of, write_model
+from ._core.io import needs_external_data, walk_graphs
+from ._core.ir import opset_of, write_model
 from .compare import Exact, RunResults, compare_runs
 from .errors import ExportRefusedError
 from .runtime import make_session

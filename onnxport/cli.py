@@ -316,7 +316,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
-    from .qdq.layers import compare_layers
+    from .debug.layers import compare_layers
 
     for option, path in (("--json", args.json), ("--png", args.png)):
         if path is not None and not (Path(path).parent if str(Path(path).parent) else Path(".")).is_dir():
@@ -326,7 +326,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
     report = compare_layers(model, args.file, sample, optimized=args.optimized, n_batches=args.n_batches)
     print(report)
     if args.json:
-        from ._io import write_text_atomic
+        from ._core.io import write_text_atomic
 
         write_text_atomic(args.json, json.dumps(report.as_dict(), indent=2, default=str))
         print(f"wrote {args.json}")

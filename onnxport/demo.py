@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._io import write_text_atomic
-from ._ir import opset_of
+from ._core.io import write_text_atomic
+from ._core.ir import opset_of
 
 CLASSES = ("disc", "square", "cross", "stripes", "ring")
 

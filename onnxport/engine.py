@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from ._axes import Axes
-from ._io import check_output_path, staged_output
-from ._ir import write_model
+from ._core.axes import Axes
+from ._core.io import check_output_path, staged_output
+from ._core.ir import write_model
 from .errors import InvalidArgumentError
 from .pipeline import Pipeline, Step, sizes_of
 
@@ -114,7 +114,7 @@ class PlanResult:
 
 def run_plan(plan: ExportPlan, output_path: str | os.PathLike) -> PlanResult:
     """Run ``plan`` and write its file to ``output_path`` (validated by the caller with
-    :func:`onnxport._io.check_output_path`), or refuse with nothing written."""
+    :func:`onnxport._core.io.check_output_path`), or refuse with nothing written."""
     from tqdm.auto import tqdm
 
     target = Path(output_path)

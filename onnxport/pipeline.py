@@ -27,8 +27,8 @@ import onnx
 import onnx_ir as ir
 
 from . import _checks
-from ._axes import Axes, describe, file_axes_problems, second_size
-from ._ir import STREAM_INLINE_BYTES, save_ir
+from ._core.axes import Axes, describe, file_axes_problems, second_size
+from ._core.ir import STREAM_INLINE_BYTES, save_ir
 from .errors import ExportRefusedError
 
 log = logging.getLogger("onnxport")
@@ -201,7 +201,7 @@ class Pipeline:
         return model
 
     def write(self, model: ir.Model, path: Path, *, external_data: bool | None = None) -> Path:
-        """Write the final graph once (inside :func:`onnxport._io.staged_output`), streamed by
+        """Write the final graph once (inside :func:`onnxport._core.io.staged_output`), streamed by
         ``ir.save``: weights go to ``<name>.data`` when they would not fit one protobuf (or when
         ``external_data`` says so), and lazily loaded tensors are copied from their files."""
         self._produced = None  # the steps are over: the reference graph is not needed any more

@@ -84,7 +84,7 @@ def perturbed_runs(call: Any, batches: list[tuple], seeds: int, ulps: float) -> 
     """Per seed, every output of ``call`` over ``batches`` (concatenated) with its float ops perturbed."""
     import torch
 
-    from ._inputs import flatten_outputs
+    from ._core.inputs import flatten_outputs
 
     runs = []
     for seed in range(seeds):
@@ -124,8 +124,8 @@ def rounding_floor(model: Any, sample: Any, seeds: int = 3, ulps: float = 1.0) -
     """
     import torch
 
-    from ._inputs import bind_sample, flatten_outputs
-    from ._torch import eval_mode, require_module
+    from ._core.inputs import bind_sample, flatten_outputs
+    from ._core.torch_helpers import eval_mode, require_module
 
     require_module(model)
     check_floor_arguments(seeds, ulps)

@@ -93,7 +93,7 @@ class ONNXModel:
         try:
             self.session = make_session(self.path, providers=providers, session_options=session_options)
         except Exception:
-            from ._io import read_onnx
+            from ._core.io import read_onnx
 
             read_onnx(self.path, "path")  # a named error when the file is empty, truncated or not ONNX
             raise

@@ -99,7 +99,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_targets_import_nothing_above_errors():
-    low = {"onnxport.errors", "onnxport._cpu"}
+    low = {"onnxport.errors", "onnxport._core.cpu"}
     for module, imported in _imports().items():
         if module.startswith("onnxport.targets"):
             outside = {m for m in imported if not m.startswith("onnxport.targets")} - low
@@ -132,7 +132,7 @@ def _private_parts(dotted: str) -> list[str]:
 
 
 def test_no_package_reaches_into_another_packages_private_names():
-    # the private core (onnxport._io, _ir, _axes, …) is every package's to use; a private name or
+    # the private core (onnxport._core.io, _ir, _axes, …) is every package's to use; a private name or
     # module inside another package (targets._base, quantizer._capture) is not
     found = []
     for path in ROOT.rglob("*.py"):
@@ -163,4 +163,4 @@ def test_one_module_stages_files_and_builds_pipelines():
     writers = sorted(_module_name(p) for p in ROOT.rglob("*.py")
                      if "staged_output(" in p.read_text() or "Pipeline(" in p.read_text())
     # _io defines staged_output; the engine is the one caller
-    assert writers == ["onnxport._io", "onnxport.engine"], writers
+    assert writers == ["onnxport._core.io", "onnxport.engine"], writers

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from onnxport import Quantizer, compare_qdq, export_qdq, qdq_report
-from onnxport.qdq.stats import ort_optimised_ops
+from onnxport.inspection.stats import ort_optimised_ops
 from onnxport.quantize.decompose import split_attention, split_silu
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default

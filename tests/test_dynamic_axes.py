@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from onnxport import Quantizer, compare_onnx, compare_qdq, export_onnx, export_qdq
-from onnxport._axes import resolve_axes, second_size
 from onnxport._checks import run
+from onnxport._core.axes import resolve_axes, second_size
 from onnxport.errors import InvalidArgumentError
-from onnxport.qdq.stats import ort_optimised_ops
+from onnxport.inspection.stats import ort_optimised_ops
 from tests.conftest import activation_products
 from tests.zoo import VOCAB, zoo
 

@@ -19,9 +19,9 @@ from onnxport import (
     verify_qdq,
 )
 from onnxport._checks import run
+from onnxport.compare.quantized import VacuousCheckWarning
 from onnxport.errors import InvalidArgumentError
-from onnxport.qdq.translation import exporter_translates_pt2e, fallback_table
-from onnxport.qdq.verify import VacuousCheckWarning
+from onnxport.exporters.translation import exporter_translates_pt2e, fallback_table
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer, TwoInTwoOut, with_statistics
 
 SAMPLE = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
@@ -93,7 +93,7 @@ def test_every_conv_has_kernel_shape_and_stripping_changes_nothing(resnet_files,
 
 
 def test_file_carries_the_model_scales_exactly(resnet_models, resnet_files):
-    from onnxport.qdq.checks import file_qparams, model_qparams
+    from onnxport.inspection.checks import file_qparams, model_qparams
 
     q, _ = resnet_models
     assert file_qparams(ir.load(resnet_files["int8"])) == model_qparams(q)
@@ -157,7 +157,7 @@ def test_two_inputs_two_outputs_dynamic(tmp_path):
 
 
 def test_native_translation_is_used_and_the_fallback_agrees(resnet_models, tmp_path):
-    from onnxport._export_torch import torch_program
+    from onnxport._core.capture import torch_program
 
     assert exporter_translates_pt2e()  # torch 2.13 + onnxscript 0.7 translate pt2e themselves
     q, _ = resnet_models

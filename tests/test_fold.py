@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from onnxport import Quantizer, compare_qdq, export_qdq
-from onnxport.qdq.stats import ort_optimised_ops
+from onnxport.inspection.stats import ort_optimised_ops
 
 aten = torch.ops.aten
 

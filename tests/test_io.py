@@ -8,8 +8,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxport import save_model
-from onnxport._io import check_output_path, external_data_files, staged_output
-from onnxport._ir import write_model
+from onnxport._core.io import check_output_path, external_data_files, staged_output
+from onnxport._core.ir import write_model
 from onnxport.errors import InvalidArgumentError
 from tests.conftest import listing
 
@@ -84,7 +84,7 @@ def test_a_failed_model_replace_leaves_the_previous_model_and_its_data(tmp_path,
     data moved, the previous data must come back, or the previous model reads new weights."""
     import os
 
-    import onnxport._io as io
+    from onnxport._core import io
     from onnxport.errors import WriteError
 
     target = tmp_path / "m.onnx"
@@ -111,7 +111,7 @@ def test_a_failed_model_replace_leaves_the_previous_model_and_its_data(tmp_path,
 def test_a_failed_data_replace_leaves_no_new_data_beside_the_previous_model(tmp_path, monkeypatch):
     import os
 
-    import onnxport._io as io
+    from onnxport._core import io
     from onnxport.errors import WriteError
 
     target = tmp_path / "m.onnx"
@@ -137,7 +137,7 @@ def test_a_large_single_file_model_is_written_a_weight_at_a_time_and_reads_back_
     import onnx_ir as ir
     import onnxruntime as ort
 
-    import onnxport._ir as ir_module
+    import onnxport._core.ir as ir_module
 
     rng = np.random.default_rng(3)
     w1, w2 = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((32, 8)).astype(np.float32)

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
 from onnxport._checks import run
-from onnxport._ir import on_proto
+from onnxport._core.ir import on_proto
 from onnxport.errors import ExportRefusedError
 from onnxport.passes.conv_kernel_shape import AddConvKernelShapePass
 from onnxport.passes.linear_bias_rank import LinearBiasRankPass
@@ -929,8 +929,8 @@ def test_a_linears_bias_and_residual_before_a_layer_norm_become_one_skip_layer_n
 
 
 def test_only_the_onnxruntime_preset_runs_the_bias_rules_and_after_every_identical_outputs_step():
+    from onnxport.exporters.qdq import qdq_steps
     from onnxport.pipeline import IdenticalOutputs
-    from onnxport.qdq.export import qdq_steps
     from onnxport.targets import get_target
 
     rules = {"fold biases into the next constant shift", "write bias, residual and LayerNorm as ORT's SkipLayerNormalization"}

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxport._checks import check_identical_outputs, run
-from onnxport._ir import on_proto
+from onnxport._core.ir import on_proto
 from onnxport.errors import ExportRefusedError
 from onnxport.passes import LowerOpsetPass
 

@@ -27,7 +27,7 @@ from onnxport import (
     qdq_report,
     quant_spec,
 )
-from onnxport._cpu import WEIGHT_RANGE_KEY, cpu_int8
+from onnxport._core.cpu import WEIGHT_RANGE_KEY, cpu_int8
 from onnxport.demo import DemoNet, draw_images
 from onnxport.errors import InvalidArgumentError
 from tests.models import TinyTransformer

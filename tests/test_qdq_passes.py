@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxport import qdq_report, qdq_stats
 from onnxport._checks import run
-from onnxport._ir import on_proto
+from onnxport._core.ir import on_proto
 from onnxport.errors import ExportRefusedError, OnnxportError
 from onnxport.passes import (
     ActivationsToUint8Pass,

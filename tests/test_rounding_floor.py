@@ -122,7 +122,7 @@ def test_bad_compare_qdq_floor_arguments(quantized, tmp_path):
 
 
 def test_an_output_that_does_not_depend_on_the_input_is_reported_as_a_vacuous_comparison(quantized, tmp_path):
-    from onnxport.qdq.verify import VacuousCheckWarning
+    from onnxport.compare.quantized import VacuousCheckWarning
 
     path = export_qdq(quantized, SAMPLE[:1], tmp_path / "m.onnx", dynamic_batch=True)
     same = SAMPLE[:1].expand(4, -1, -1, -1).contiguous()

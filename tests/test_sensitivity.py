@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from onnxport import Quantizer, quant_spec, quantize_within_budget, sensitivity
+from onnxport.debug.sensitivity import score
 from onnxport.errors import InvalidArgumentError
-from onnxport.qdq.sensitivity import score
 
 PER_TENSOR = Quantizer(qscheme="per_tensor")
 
@@ -83,7 +83,7 @@ def test_bad_arguments(spoiled):
 
 @pytest.mark.parametrize("need, limit", [(1, 54), (13, 54), (54, 54), (7, 7), (None, 20)])
 def test_the_fewest_float_layers_are_found_in_logarithmic_trials(need, limit):
-    from onnxport.qdq.sensitivity import _fewest
+    from onnxport.debug.sensitivity import _fewest
 
     calls = []
 

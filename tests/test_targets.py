@@ -19,7 +19,7 @@ from onnxport import (
     verify_qdq,
 )
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
-from onnxport.qdq.stats import ort_int8_counts, ort_optimised_ops
+from onnxport.inspection.stats import ort_int8_counts, ort_optimised_ops
 from onnxport.targets import get_target
 from tests.conftest import activation_products, listing
 from tests.models import MobileNetV2Small, ResNet18, TinyTransformer

@@ -27,7 +27,7 @@ from onnxport import (
 )
 from onnxport._checks import run
 from onnxport.errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning
-from onnxport.qdq.weight_only import check_weights_faithful, file_weights, quantized_weights
+from onnxport.exporters.weight_only import check_weights_faithful, file_weights, quantized_weights
 
 IDS = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
 
@@ -328,7 +328,7 @@ class _SameShapedLinears(nn.Module):
 def test_small_same_shaped_weights_keep_one_dequantizer_each(tmp_path):
     # the exporter's optimizer merges equal initializers up to 1024 elements: stand-ins left empty
     # often share zeroed pages, and merged, one layer's DequantizeLinear went missing
-    from onnxport.qdq.weight_only import export_copy
+    from onnxport.exporters.weight_only import export_copy
 
     torch.manual_seed(0)
     quantized = Quantizer(backend="torchao", method="int8_weight_only").quantize(_SameShapedLinears().eval())

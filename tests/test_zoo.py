@@ -34,7 +34,7 @@ def _assert_fusable(path) -> None:
     that reads a DequantizeLinear (Whisper's conv stem) is written as ORT's own Gelu in an
     'onnxruntime' file, since ORT gives each reader of that input its own copy and no fusion
     would see one x."""
-    from onnxport.qdq.stats import ort_optimised_ops
+    from onnxport.inspection.stats import ort_optimised_ops
 
     ops = ort_optimised_ops(path)
     assert not ops["Erf"] and not ops["Reciprocal"], dict(ops)
@@ -154,7 +154,7 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
         sensitivity,
         verify_qdq,
     )
-    from onnxport.qdq.stats import ort_optimised_ops
+    from onnxport.inspection.stats import ort_optimised_ops
 
     entry = ZOO[name]
     model = entry.model()

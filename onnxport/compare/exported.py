@@ -89,8 +89,8 @@ def nonfinite_reason(wide: list[np.ndarray], narrow: list[np.ndarray]) -> str | 
 def _float64_run(wide: Any, sample: Any, batches: list[tuple]) -> Any:
     """The float64 copy ``wide`` (or the reason there is none) on the batches (float inputs
     widened), or the reason it cannot run so."""
-    from .._inputs import bind_sample
-    from .._torch import eval_mode
+    from .._core.inputs import bind_sample
+    from .._core.torch_helpers import eval_mode
 
     if isinstance(wide, str):
         return wide
@@ -148,8 +148,8 @@ def compare_onnx_sizes(
 ) -> list[Report]:
     """:func:`compare_onnx` on each of ``samples`` (the sizes of a symbolic axis, say), one
     :class:`Report` each, with one ONNX Runtime session and one float64 copy of the model for all."""
-    from .._inputs import bind_sample, file_batch, split_batches
-    from .._torch import eval_mode, require_module
+    from .._core.inputs import bind_sample, file_batch, split_batches
+    from .._core.torch_helpers import eval_mode, require_module
     from ..runtime import ONNXModel
 
     if rounding_floor not in (True, False):

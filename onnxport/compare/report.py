@@ -117,7 +117,7 @@ class Report:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write :meth:`as_dict` as JSON (atomically)."""
-        from .._io import write_text_atomic
+        from .._core.io import write_text_atomic
 
         return write_text_atomic(path, json.dumps(self.as_dict(), indent=2))
 

@@ -51,7 +51,7 @@ class RunResults:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the results to one ``.npz`` file (atomically), to be read back by :meth:`load`."""
-        from .._io import write_bytes_atomic
+        from .._core.io import write_bytes_atomic
 
         target = Path(path)
         if target.suffix != ".npz":

@@ -21,10 +21,10 @@ def _n_samples(batches: Sequence[tuple]) -> int:
 
 
 def torch_batches(call: Callable, batches: Sequence[tuple], runner: str = "torch") -> RunResults:
-    """``call`` (a bound model, see :func:`onnxport._inputs.bind_sample`) on each batch, outputs joined."""
+    """``call`` (a bound model, see :func:`onnxport._core.inputs.bind_sample`) on each batch, outputs joined."""
     import torch
 
-    from .._inputs import flatten_outputs
+    from .._core.inputs import flatten_outputs
 
     with torch.no_grad():
         runs = [[t.detach().cpu().numpy() for t in flatten_outputs(call(*batch))] for batch in batches]
@@ -50,8 +50,8 @@ def run_torch(model: Any, sample: Any, *, n_batches: int = 1, onnx_path: str | o
         n_batches: cut the sample into this many equal batches.
         onnx_path: a file whose fixed batch the sample is cut to (so the two runs see the same batches).
     """
-    from .._inputs import bind_sample, file_batch, split_batches
-    from .._torch import eval_mode, require_module
+    from .._core.inputs import bind_sample, file_batch, split_batches
+    from .._core.torch_helpers import eval_mode, require_module
 
     require_module(model)
     call, inputs, _ = bind_sample(model, sample)
@@ -77,7 +77,7 @@ def run_onnx(
     """
     import torch
 
-    from .._inputs import file_batch, split_batches
+    from .._core.inputs import file_batch, split_batches
     from ..runtime import ONNXModel, session_options_for
 
     def tensor(value: Any) -> torch.Tensor:

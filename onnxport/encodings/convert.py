@@ -18,8 +18,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import CheckerPass, TopologicalSortPass
 from tqdm.auto import tqdm
 
-from .._io import EXTERNAL_BASE_KEY, ScratchTensors, check_external_data, inside_folder, read_onnx
-from .._ir import (
+from .._core.io import EXTERNAL_BASE_KEY, ScratchTensors, check_external_data, inside_folder, read_onnx
+from .._core.ir import (
     const_tensor,
     drop_unread_constants,
     graphs,

@@ -15,7 +15,7 @@ import onnx
 import onnx.defs
 import onnx_ir as ir
 
-from .._ir import graphs, is_default, opset_of
+from .._core.ir import graphs, is_default, opset_of
 from .axes import TensorInfo
 from .formats import Encoding, ScaleMeta
 

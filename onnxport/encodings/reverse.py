@@ -10,9 +10,9 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._ir import const_array, const_tensor, is_default, nodes, on_proto, read_model, read_values
+from .._core.ir import const_array, const_tensor, is_default, nodes, on_proto, read_model, read_values
 from ..errors import InvalidArgumentError
-from ..qdq.view import qdq_nodes
+from ..inspection.view import qdq_nodes
 from .formats import DTYPES, ENCODES_MARK, layout_param
 
 _BY_ONNX_TYPE = {d.onnx_type: name for name, d in DTYPES.items()}

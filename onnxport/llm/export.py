@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 import torch
 
-from .._io import check_output_path, write_bytes_atomic
-from .._torch import eval_mode
+from .._core.io import check_output_path, write_bytes_atomic
+from .._core.torch_helpers import eval_mode
 from ..compare import (
     CosineAtLeast,
     Report,
@@ -373,7 +373,7 @@ def export_decoder(
             shape = dataclasses.replace(shape, cache_dtype="float16")
             model = None
         elif precision != "fp32":
-            from ..qdq.weight_only import export_copy, quantized_weights
+            from ..exporters.weight_only import export_copy, quantized_weights
             from ..quantize.weight_only import quantize_weight_only
 
             reference_model = quantize_weight_only(model, f"{precision}_weight_only", group_size=group_size,
@@ -502,12 +502,12 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     onnxscript looks for), and onnxslim's clean-up with the weights lifted out of its reach."""
     from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
+    from ..exporters.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
     from ..passes.group_query_attention import GroupQueryAttentionPass
     from ..passes.optimize import OnnxSlimPass
     from ..passes.rsqrt_div import RsqrtToDivPass
     from ..passes.skip_rms_norm import SkipRmsNormPass
     from ..pipeline import LastBit, OnFile, Step, Structural
-    from ..qdq.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
 
     steps = []
     if weights:
@@ -529,7 +529,7 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
 
 def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     """Capture, rewrite, write and prove the decoder file at ``file`` (complete or not at all)."""
-    from .._export_torch import torch_program
+    from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..passes.ort_fusions import OrtFusionPass, fused_ops
     from ..passes.ort_quantize import SetMetadataPass
@@ -566,7 +566,7 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
         result.fusions = dict(sorted(fused_ops(graph).items()))
 
     def integers(path: Path) -> None:
-        from ..qdq.weight_only import check_weights_faithful
+        from ..exporters.weight_only import check_weights_faithful
 
         check_weights_faithful(path, weights)
 
@@ -596,7 +596,7 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
             )
 
     def as_deployed(outputs: list, optimised: Path) -> None:
-        from ..qdq.weight_only import warn_unfused
+        from ..exporters.weight_only import warn_unfused
 
         graph = onnx.load_model(str(optimised), load_external_data=False)
         result.runtime_fusions = dict(Counter(n.op_type for n in graph.graph.node if n.domain == "com.microsoft"))

@@ -191,7 +191,7 @@ def cached_forward(model: torch.nn.Module, shape: DecoderShape) -> Iterator[torc
     """``model`` whose forward takes the file's inputs positionally and returns its outputs as a
     flat tuple, for as long as the block runs; the model keeps its module paths (the file's
     weight names) and is left as it was."""
-    from .._inputs import forward_replaced
+    from .._core.inputs import forward_replaced
 
     layers = shape.layers
 

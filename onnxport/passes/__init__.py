@@ -1,6 +1,6 @@
 """Graph rewrites, each an ``onnx_ir`` pass that does one thing, is idempotent, reaches into
 subgraphs and is honest about ``modified``; the exporters run them as Pipeline steps. To run one
-on an ``onnx.ModelProto``, ``onnxport._ir.on_proto(SomePass(), model)`` returns a new proto."""
+on an ``onnx.ModelProto``, ``onnxport._core.ir.on_proto(SomePass(), model)`` returns a new proto."""
 
 from .bias_skip_norm import BiasSkipLayerNormPass
 from .conv_kernel_shape import AddConvKernelShapePass, convs_missing_kernel_shape

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._ir import (
+from .._core.ir import (
     CONTRIB_DOMAIN,
     drop_unread_constants,
     is_default,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import constant_shape, is_default, nodes
+from .._core.ir import constant_shape, is_default, nodes
 
 
 def convs_missing_kernel_shape(graph: ir.Graph) -> list[str]:

@@ -2,7 +2,7 @@
 
 pt2e's dynamic scheme (``Quantizer(activations='dynamic')``) captures each linear layer as
 ``choose_qparams → quantize → dequantize → MatMul(·, DequantizeLinear(W))``. Translated
-(:func:`onnxport.qdq.translation.dynamic_table`), ``choose_qparams`` is a
+(:func:`onnxport.exporters.translation.dynamic_table`), ``choose_qparams`` is a
 ``DynamicQuantizeLinear`` whose scale and zero-point a ``QuantizeLinear`` of the same tensor then
 reads. Two passes make that the standard integer form that ONNX Runtime fuses into
 ``DynamicQuantizeMatMul`` (bias included):
@@ -24,7 +24,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._ir import unique_name
+from .._core.ir import unique_name
 
 _DEFAULT = ("", "ai.onnx")
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._ir import const_array, is_default, nodes, only_reader
+from .._core.ir import const_array, is_default, nodes, only_reader
 
 
 def _same_parameters(a: ir.Node, b: ir.Node) -> bool:

@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._ir import unique_name
+from .._core.ir import unique_name
 
 _DEFAULT = ("", "ai.onnx")
 

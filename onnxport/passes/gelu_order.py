@@ -15,7 +15,7 @@ import math
 
 import onnx_ir as ir
 
-from .._ir import is_default, is_scalar, nodes, only_reader, other_input
+from .._core.ir import is_default, is_scalar, nodes, only_reader, other_input
 
 
 def one_plus_erf(div: ir.Node) -> tuple[ir.Node, ir.Node] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import const_array, drop_unread_constants, is_default, nodes
+from .._core.ir import const_array, drop_unread_constants, is_default, nodes
 
 
 def _axes(node: ir.Node) -> list[int] | None:

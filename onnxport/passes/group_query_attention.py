@@ -33,7 +33,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from .._ir import CONTRIB_DOMAIN, graphs, is_default, only_reader
+from .._core.ir import CONTRIB_DOMAIN, graphs, is_default, only_reader
 
 _TO_HEADS = (0, 2, 1, 3)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import constant_shape, is_default, nodes, taken_names, unique_name
+from .._core.ir import constant_shape, is_default, nodes, taken_names, unique_name
 
 
 def _from_dequantize(value: ir.Value) -> bool:

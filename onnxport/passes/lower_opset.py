@@ -17,7 +17,7 @@ import onnx.defs
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from .._ir import const_array, drop_unread_constants, is_default, taken_names, unique_name
+from .._core.ir import const_array, drop_unread_constants, is_default, taken_names, unique_name
 from ..errors import ExportRefusedError
 
 _REDUCE_OPS = {

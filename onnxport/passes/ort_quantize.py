@@ -40,8 +40,8 @@ class OrtQuantizePass(ir.passes.FunctionalPass):
         self.options = options
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .._io import external_data_files
-        from .._ir import save_ir
+        from .._core.io import external_data_files
+        from .._core.ir import save_ir
 
         source = self.scratch / "float.onnx"
         quantized = self.scratch / "quantized.onnx"

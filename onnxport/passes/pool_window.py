@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import is_default, nodes
+from .._core.ir import is_default, nodes
 
 _POOLS = ("AveragePool", "MaxPool")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from .._ir import const_array, is_default, nodes, taken_names, unique_name
+from .._core.ir import const_array, is_default, nodes, taken_names, unique_name
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import is_default, nodes, only_reader
+from .._core.ir import is_default, nodes, only_reader
 
 
 def _reciprocal_of_sqrt(value: ir.Value | None) -> ir.Node | None:

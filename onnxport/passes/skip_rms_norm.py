@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._ir import CONTRIB_DOMAIN, graphs, is_default
+from .._core.ir import CONTRIB_DOMAIN, graphs, is_default
 
 
 def _last_axis(norm: ir.Node, rank: int) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._ir import const_array, drop_unread_constants, is_default, nodes, taken_names, unique_name
+from .._core.ir import const_array, drop_unread_constants, is_default, nodes, taken_names, unique_name
 from ..errors import ExportRefusedError
 
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import torch
 
-from .._axes import second_size
-from .._io import check_output_folder, staged_folder, write_text_atomic
+from .._core.axes import second_size
+from .._core.io import check_output_folder, staged_folder, write_text_atomic
 from ..errors import ExportRefusedError, InvalidArgumentError, check_choice
 from .calibration import calibration_batches
 from .inputs import Signature, build_signature
@@ -232,14 +232,14 @@ def export_pretrained(
 def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *, quantize: str | None,
            batches: list | None, target: str | None, opset_version: int | None) -> tuple[dict | None, list]:
     """Write the file at ``path`` by the exporter its precision needs, and prove it."""
-    from ..export import export_onnx
+    from ..exporters.float import export_onnx
 
     sample = signature.as_dict()
     if quantize is None:
         export_onnx(wrapper, sample, path, opset_version=opset_version or 17, dynamic_axes=signature.axes,
                     output_names=signature.outputs)
         return None, _prove_float(wrapper, path, signature)
-    from ..qdq.export import export_qdq
+    from ..exporters.qdq import export_qdq
     from ..quantize import Quantizer
 
     if quantize in WEIGHT_ONLY:
@@ -270,7 +270,7 @@ def _write_weight_only(wrapper: TaskOutputs, signature: Signature, path: Path, q
                        opset_version: int | None) -> tuple[dict, list]:
     """torchao weight-only: export_qdq proves the integers are torchao's and the agreement at two
     sizes; the file is then held to the torchao model's rounding floor at the sample's size."""
-    from ..qdq.export import export_qdq
+    from ..exporters.qdq import export_qdq
     from ..quantize import Quantizer
 
     method = WEIGHT_ONLY[quantize]
@@ -286,7 +286,7 @@ def _write_weight_only(wrapper: TaskOutputs, signature: Signature, path: Path, q
 def _prove_qdq(quantized: Any, path: Path, sample: dict[str, torch.Tensor], *,
                optimized: bool | None = None) -> dict[str, Any]:
     """The quantized file within twice its quantized model's rounding floor (``compare_qdq``)."""
-    from ..qdq.verify import compare_qdq
+    from ..compare.quantized import compare_qdq
 
     report = compare_qdq(quantized, path, sample, rounding_floor=True, optimized=optimized)
     record = _proof_record("sample", sample, report)

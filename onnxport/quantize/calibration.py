@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._inputs import calibration_batches, forward_aliases, keyword_inputs, require_batches
+from .._core.inputs import calibration_batches, forward_aliases, keyword_inputs, require_batches
 from ..errors import InvalidArgumentError
 
 
@@ -76,8 +76,8 @@ def read_calibration(
         names, reference = None, first_inputs(first, model, argument)
     free = None
     if dynamic_axes is not None:
-        from .._axes import resolve_axes
-        from .._export_torch import default_names
+        from .._core.axes import resolve_axes
+        from .._core.capture import default_names
 
         labels = names or tuple(default_names("input", len(reference)))
         axes = resolve_axes(dynamic_axes, dynamic_batch=False, names=labels, inputs=reference,

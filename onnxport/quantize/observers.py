@@ -18,7 +18,7 @@ from torchao.quantization.pt2e.observer import (
 )
 from torchao.quantization.pt2e.quantizer import QuantizationSpec
 
-from .._cpu import FULL_WEIGHT_RANGE, PORTABLE_WEIGHT_RANGE
+from .._core.cpu import FULL_WEIGHT_RANGE, PORTABLE_WEIGHT_RANGE
 
 OBSERVERS = ("histogram", "minmax", "percentile")
 _EPS = 2**-12  # the smallest scale: keeps an all-zero tensor from a zero scale

@@ -12,10 +12,10 @@ import torch
 from torch.fx import GraphModule
 from torchao.quantization.pt2e.quantizer import Quantizer as _PT2EQuantizerBase
 
-from .._axes import ASKED_AXES_KEY, AXES_KEY, carry_axes
-from .._cpu import WEIGHT_RANGES
-from .._inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
-from .._torch import require_module
+from .._core.axes import ASKED_AXES_KEY, AXES_KEY, carry_axes
+from .._core.cpu import WEIGHT_RANGES
+from .._core.inputs import INPUT_NAMES_KEY, positional_forward, recorded_input_names
+from .._core.torch_helpers import require_module
 from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError, OnnxportWarning, check_choice
 from ..targets import TARGETS, get_target
 from .annotate import AnnotationContext, annotate_graph
@@ -150,10 +150,10 @@ def capture_program(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dy
     """torch.export ``model`` as one graph, with a symbolic batch (``dynamic_batch``) and the
     symbolic ``dynamic_axes`` (by ``names``, the keyword names, or ``input``/``input_<i>``);
     the captured axes are kept in the graph's meta for ``export_qdq``."""
-    from .._axes import capture_with_axes, fixed_in_capture, resolve_axes, specialized_sentence, tracing_inputs
-    from .._export_torch import default_names
-    from .._inputs import forward_aliases
-    from .._torch import without_kv_cache
+    from .._core.axes import capture_with_axes, fixed_in_capture, resolve_axes, specialized_sentence, tracing_inputs
+    from .._core.capture import default_names
+    from .._core.inputs import forward_aliases
+    from .._core.torch_helpers import without_kv_cache
 
     keywords = names
     names = tuple(names or default_names("input", len(inputs)))
@@ -552,7 +552,7 @@ class Quantizer:
             raise InvalidArgumentError("prepare() is for Quantizer(backend='pt2e', method='qat'); use quantize().")
         from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
 
-        from .._inputs import as_input_tuple, keyword_inputs
+        from .._core.inputs import as_input_tuple, keyword_inputs
 
         require_module(model)
         _model_device_check(model)

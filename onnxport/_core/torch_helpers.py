@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 
 def require_module(model: Any, argument: str = "model") -> torch.nn.Module:

@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from .._ir import graphs, is_default, label
+from .._core.ir import graphs, is_default, label
 from ..errors import ExportRefusedError
 from .view import qdq_nodes
 

@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .._cpu import PORTABLE_WEIGHT_RANGE, WEIGHT_RANGE_KEY
-from .._ir import const_tensor, graphs, is_default, opset_of, read_model, read_values
+from .._core.cpu import PORTABLE_WEIGHT_RANGE, WEIGHT_RANGE_KEY
+from .._core.ir import const_tensor, graphs, is_default, opset_of, read_model, read_values
 from ..errors import check_choice
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from ..targets import I8 as _I8

@@ -27,8 +27,8 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from .._axes import describe, second_size
 from .._checks import release_freed_memory
+from .._core.axes import describe, second_size
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
 from ..rounding import cosine
 
@@ -270,8 +270,8 @@ def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types.
     One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
-    from .._ir import read_model
-    from .view import qdq_nodes
+    from .._core.ir import read_model
+    from ..inspection.view import qdq_nodes
 
     model, _ = read_model(path)
     for q in qdq_nodes(model):
@@ -453,9 +453,9 @@ def export_weight_only(
     """Write a weight-only model to ``target`` through the engine: its steps, one write, and the
     file proven by the rules below (the integers, the agreement, what ORT fuses). ``keywords``: the
     names of keyword inputs, which the model (and its stand-in copy) then takes positionally."""
-    from .._export_torch import EXPORTER_MIN_OPSET, check_names, torch_program
-    from .._inputs import flatten_outputs, positional_forward
-    from .._torch import eval_mode
+    from .._core.capture import EXPORTER_MIN_OPSET, check_names, torch_program
+    from .._core.inputs import flatten_outputs, positional_forward
+    from .._core.torch_helpers import eval_mode
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
 

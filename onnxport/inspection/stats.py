@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .._ir import const_tensor, graphs, is_default, label, opset_of, read_model
+from .._core.ir import const_tensor, graphs, is_default, label, opset_of, read_model
 from ..errors import InvalidArgumentError
 from ..passes.conv_kernel_shape import convs_missing_kernel_shape
 from .view import QDQNode, qdq_nodes
@@ -285,7 +285,7 @@ def qdq_report(onnx_path: str | os.PathLike | onnx.ModelProto, *, ort: bool = Tr
 def _cpu_section(model: ir.Model, nodes: list) -> dict[str, Any]:
     """This CPU's U8S8 arithmetic, the weight rule the file records, and the weights that x86
     kernels without VNNI could saturate on (they compute something else there)."""
-    from .._cpu import cpu_int8
+    from .._core.cpu import cpu_int8
     from .rules import file_weight_range, weights_beyond_portable
 
     cpu = cpu_int8()

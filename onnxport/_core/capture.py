@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ._axes import Axes, capture_with_axes, fixed_in_program, specialized_sentence, tracing_inputs
-from ._torch import without_kv_cache
-from .errors import ExportRefusedError, InvalidArgumentError
+from ..errors import ExportRefusedError, InvalidArgumentError
+from .axes import Axes, capture_with_axes, fixed_in_program, specialized_sentence, tracing_inputs
+from .torch_helpers import without_kv_cache
 
 #: The oldest opset the dynamo exporter writes; older requests are lowered afterwards.
 EXPORTER_MIN_OPSET = 18
@@ -67,7 +67,7 @@ def torch_program(
     ranges: dict[str, tuple[int | None, int | None]] | None = None,
 ) -> torch.onnx.ONNXProgram:
     """Export with the dynamo exporter at ``max(opset_version, 18)``, with the symbolic ``axes``
-    (checked by :func:`onnxport._axes.resolve_axes`) named as their labels in the file.
+    (checked by :func:`onnxport._core.axes.resolve_axes`) named as their labels in the file.
 
     The program's ``model`` is an ``onnx_ir`` model whose weights still live in torch (nothing is
     copied until it is saved); ``model_proto`` is the same graph as a protobuf. ``ranges`` bounds

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 #: Where a model quantized from keyword inputs keeps their names, in the order it takes them.
 INPUT_NAMES_KEY = "onnxport_input_names"
@@ -56,7 +56,7 @@ class _Uncached:
         self.model, self.call = model, call
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        from ._torch import without_kv_cache
+        from .torch_helpers import without_kv_cache
 
         with without_kv_cache(self.model):
             return self.call(*inputs)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx.external_data_helper
 
-from .errors import InvalidArgumentError, UnsafeExternalDataError, WriteError
+from ..errors import InvalidArgumentError, UnsafeExternalDataError, WriteError
 
 #: Protobuf cannot serialise a message of 2 GiB or more; bigger models keep their weights outside.
 PROTOBUF_LIMIT = 2**31 - 1

@@ -44,8 +44,8 @@ def _same_inputs(calibration: tuple[str, ...] | None, batches: list[tuple[torch.
 
 
 def model_outputs(model: Any, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-    from .._inputs import flatten_outputs
-    from .._torch import without_kv_cache
+    from .._core.inputs import flatten_outputs
+    from .._core.torch_helpers import without_kv_cache
 
     with torch.no_grad(), without_kv_cache(model):
         return torch.cat([flatten_outputs(model(*b))[0].detach().float().reshape(b[0].shape[0], -1) for b in batches])
@@ -63,8 +63,8 @@ class _Trials:
 
     def __init__(self, model: torch.nn.Module, quantizer: Any, calibration_data: Any, eval_data: Any,
                  metric: str, dynamic_batch: bool) -> None:
-        from .._inputs import positional_forward
-        from .._torch import require_module
+        from .._core.inputs import positional_forward
+        from .._core.torch_helpers import require_module
         from ..quantize.quantizer import Quantizer, capture_program
 
         require_module(model)
@@ -288,9 +288,9 @@ def _latency(model: torch.nn.Module, quantized: Any, trials: _Trials) -> dict[st
     import tempfile
     from pathlib import Path
 
-    from ..export import export_onnx
+    from ..exporters.float import export_onnx
+    from ..exporters.qdq import export_qdq
     from ..runtime import ONNXModel
-    from .export import export_qdq
 
     sample = tuple(t[:1] for t in trials.eval[0])
     with tempfile.TemporaryDirectory() as scratch:

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .._ir import const_tensor, graphs, is_default, label, read_values
+from .._core.ir import const_tensor, graphs, is_default, label, read_values
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 INT4_TYPES = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)

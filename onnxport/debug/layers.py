@@ -29,10 +29,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .._ir import const_tensor, read_model
+from .._core.ir import const_tensor, read_model
 from ..compare import OutputResult, Report
 from ..errors import InvalidArgumentError
-from .view import QDQNode, qdq_nodes
+from ..inspection.view import QDQNode, qdq_nodes
 
 CAUSES = ("rounding", "float_kernel", "qparams", "structure", "propagated")
 #: the causes that are a defect of the file (rounding and its propagation are not)
@@ -373,7 +373,7 @@ def _run_torch(model: Any, anchors: list[_TorchAnchor], batches: list[tuple]) ->
         for batch in batches:
             recorder = _Recorder(model)
             outputs = recorder.run(*batch)
-            from .._inputs import flatten_outputs
+            from .._core.inputs import flatten_outputs
 
             recorder.seen["__outputs__"] = tuple(t.detach().numpy() for t in flatten_outputs(outputs))
             results.append(recorder.seen)
@@ -453,14 +453,14 @@ def compare_layers(model: Any, onnx_path: str | os.PathLike, sample: Any, *, opt
         A :class:`LayerReport`; ``report.first_divergence`` is the earliest tensor, in the
         file's order, more than one quantization step away, with its ``cause``.
     """
-    from .._io import read_onnx
-    from .verify import _split
+    from .._core.io import read_onnx
+    from ..compare.quantized import split_sample
 
     file_model = read_onnx(onnx_path, "onnx_path", load_external_data=True)  # the probe copy runs from memory
-    _, batches, _ = _split(model, sample, n_batches, file_model)
+    _, batches, _ = split_sample(model, sample, n_batches, file_model)
     if optimized:
         return _compare_optimized(file_model, batches)
-    from .._torch import require_module
+    from .._core.torch_helpers import require_module
 
     require_module(model)
     if not hasattr(model, "graph"):
@@ -570,7 +570,7 @@ def _isolated_run(file_model: onnx.ModelProto, anchors: list[_FileAnchor], match
 def _output_rows(view: ir.Model, got: list, ref: list, joined: Any,
                  isolated: list | None) -> list[tuple[str, LayerRow]]:
     """Per graph output that the model also gives: its name and its row."""
-    from .verify import _output_scale
+    from ..compare.quantized import output_scale
 
     rows = []
     order = {id(n): i for i, n in enumerate(view.graph)}
@@ -581,7 +581,7 @@ def _output_rows(view: ir.Model, got: list, ref: list, joined: Any,
         if model_values is None or model_values.shape != values.shape:
             continue
         max_abs, cosine, n_off = _metrics(values, model_values)
-        scale = _output_scale(view, output.name)
+        scale = output_scale(view, output.name)
         steps = max_abs / scale if scale else None
         alone_abs = _metrics(joined(isolated, output.name), model_values)[0] if isolated else max_abs
 

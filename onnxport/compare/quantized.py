@@ -9,27 +9,27 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from .._ir import const_tensor, read_model, read_values
-from ..compare import Measure, OutputResult, Report, WithinFloor, compare_runs
+from .._core.ir import const_tensor, read_model, read_values
 from ..errors import InvalidArgumentError, VacuousCheckWarning
 from ..rounding import check_floor_arguments, cosine, perturbed_runs
+from . import Measure, OutputResult, Report, WithinFloor, compare_runs
 
 #: The names compare_qdq's results had before the one comparison model; the same types now.
 QDQComparison = Report
 QDQOutputComparison = OutputResult
 
 
-def _split(model: Any, sample: Any, n_batches: Any, onnx_path: Any = None) -> tuple[Any, list[tuple], tuple[str, ...] | None]:
+def split_sample(model: Any, sample: Any, n_batches: Any, onnx_path: Any = None) -> tuple[Any, list[tuple], tuple[str, ...] | None]:
     """(what to call, ``sample`` cut into batches of positional inputs, their keyword names when
     given by name): ``n_batches`` equal batches, or — by default — batches of the file's own batch
     when it was exported with a fixed one."""
-    from .._inputs import bind_sample, file_batch, split_batches
+    from .._core.inputs import bind_sample, file_batch, split_batches
 
     call, inputs, names = bind_sample(model, sample)
     return call, split_batches(inputs, n_batches, file_batch(onnx_path) if onnx_path is not None else None), names
 
 
-def _output_scale(model: ir.Model, output: str) -> float | None:
+def output_scale(model: ir.Model, output: str) -> float | None:
     """The scale of the last DequantizeLinear on the way to ``output`` (float ops may follow it)."""
     start = next((v for v in model.graph.outputs if v.name == output), None)
     frontier, seen = [start], set()
@@ -92,10 +92,10 @@ def compare_qdq(
     DequantizeLinear before the output (how many quantization steps apart), cosine similarity,
     and top-1 agreement along the last axis.
     """
-    from .._io import read_onnx
-    from .._torch import eval_mode, require_module
-    from ..compare.runners import onnx_batches, torch_batches
+    from .._core.io import read_onnx
+    from .._core.torch_helpers import eval_mode, require_module
     from ..runtime import ONNXModel, session_options_for
+    from .runners import onnx_batches, torch_batches
 
     require_module(model)
     if not isinstance(rounding_floor, bool):
@@ -104,7 +104,7 @@ def compare_qdq(
         check_floor_arguments(floor_seeds, 1.0)
     header = read_onnx(onnx_path, "onnx_path")  # read once: the file's batch here, its output scales below
     graph, _ = read_model(header, base=os.path.dirname(os.fspath(onnx_path)))
-    call, batches, names = _split(model, sample, n_batches, header)
+    call, batches, names = split_sample(model, sample, n_batches, header)
     optimized = runs_optimized(model, optimized)
     runner = ONNXModel(onnx_path, session_options=session_options_for(optimized))
     with eval_mode(model):
@@ -113,7 +113,7 @@ def compare_qdq(
     got = onnx_batches(runner, batches, names, "default level" if optimized else "unoptimised")
     for name, ref in zip(got.names, reference.arrays):
         _warn_if_input_independent(name, ref)
-    scales = {name: _output_scale(graph, name) for name in got.names}
+    scales = {name: output_scale(graph, name) for name in got.names}
     floors = ({name: tuple(cosine(ref, run[i]) for run in perturbed) for i, (name, ref) in enumerate(zip(got.names, reference.arrays))}
               if perturbed is not None else None)
     return compare_runs(got, reference, WithinFloor() if rounding_floor else Measure(), scales=scales, floors=floors)
@@ -152,12 +152,12 @@ def verify_qdq(model: Any, onnx_path: str | os.PathLike, sample: Any, n_batches:
     as for :func:`compare_qdq`. Warns (:class:`VacuousCheckWarning`) when the PyTorch model
     predicts one class for every input, since agreement then proves nothing.
     """
-    from .._torch import eval_mode, require_module
-    from ..compare.runners import onnx_batches, torch_batches
+    from .._core.torch_helpers import eval_mode, require_module
     from ..runtime import ONNXModel, session_options_for
+    from .runners import onnx_batches, torch_batches
 
     require_module(model)
-    call, batches, names = _split(model, sample, n_batches, onnx_path)
+    call, batches, names = split_sample(model, sample, n_batches, onnx_path)
     optimized = runs_optimized(model, optimized)
     runner = ONNXModel(onnx_path, session_options=session_options_for(optimized))
     with eval_mode(model):

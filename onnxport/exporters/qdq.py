@@ -10,10 +10,21 @@ from typing import Any
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
-from .._axes import BATCH, asked_axes, captured_axes, resolve_axes
-from .._io import check_output_path
+from .._core.axes import BATCH, asked_axes, captured_axes, resolve_axes
+from .._core.io import check_output_path
 from ..engine import ExportPlan, run_plan, validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError
+from ..inspection.checks import (
+    activation_zero_points,
+    captured_symbolic_axes,
+    captured_with_dynamic_batch,
+    check_faithful,
+    check_standard_qdq,
+    model_qparams,
+    pt2e_qdq_nodes,
+)
+from ..inspection.rules import WEIGHT_RANGE_KEY, check_target
+from ..inspection.stats import qdq_stats
 from ..passes.bias_skip_norm import BiasSkipLayerNormPass
 from ..passes.contrib_gelu import BiasFastGeluPass, BiasGeluPass, DequantizedGeluPass
 from ..passes.conv_kernel_shape import AddConvKernelShapePass
@@ -31,17 +42,6 @@ from ..passes.rsqrt_div import RsqrtToDivPass
 from ..passes.uint8_activations import ActivationsToUint8Pass
 from ..pipeline import IdenticalOutputs, LastBit, Step, Structural
 from ..targets import ExportDefaults, get_target
-from .checks import (
-    activation_zero_points,
-    captured_symbolic_axes,
-    captured_with_dynamic_batch,
-    check_faithful,
-    check_standard_qdq,
-    model_qparams,
-    pt2e_qdq_nodes,
-)
-from .rules import WEIGHT_RANGE_KEY, check_target
-from .stats import qdq_stats
 from .weight_only import WEIGHT_ONLY_OPSET, QuantizedWeight, export_weight_only, quantized_weights
 
 ACTIVATION_DTYPES = ("int8", "uint8")
@@ -151,9 +151,9 @@ def export_qdq(
     protobuf's 2 GB limit gets its weights in ``<name>.data`` beside the file.
     """
 
-    from .._export_torch import check_names, torch_program
-    from .._inputs import bind_sample
-    from .._torch import eval_mode, require_module
+    from .._core.capture import check_names, torch_program
+    from .._core.inputs import bind_sample
+    from .._core.torch_helpers import eval_mode, require_module
     from ..quantize.spec import quant_spec
     from .translation import translation_table
 
@@ -232,8 +232,8 @@ def _within_floor(model: Any, inputs: tuple, names: list[str], axes: dict) -> An
     two sizes of every symbolic axis, each output within twice the model's own rounding floor."""
     import torch
 
-    from .._axes import second_size
-    from .verify import compare_qdq
+    from .._core.axes import second_size
+    from ..compare.quantized import compare_qdq
 
     feeds = {name: t.detach().cpu().numpy() for name, t in zip(names, inputs)}
     samples = [feeds, second_size(feeds, axes)] if axes else [feeds]
@@ -329,8 +329,8 @@ def _export_weight_only_checked(
     dynamic_axes: Mapping[str, Any] | None = None,
 ) -> Path:
     """The weight-only path of :func:`export_qdq`: validate everything, then export, write, check."""
-    from .._export_torch import check_names
-    from .._inputs import forward_aliases
+    from .._core.capture import check_names
+    from .._core.inputs import forward_aliases
 
     precision = spec.describe() if spec is not None else "torchao weight-only"
     if activation_dtype is not None:
@@ -382,7 +382,7 @@ def _count_outputs(model: Any, inputs: tuple) -> int:
     """How many tensors the model returns, read from its graph (no forward pass needed)."""
     import torch
 
-    from .._inputs import flatten_outputs
+    from .._core.inputs import flatten_outputs
 
     output = next((n for n in model.graph.nodes if n.op == "output"), None)
     if output is not None:

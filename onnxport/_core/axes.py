@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .errors import ExportRefusedError, InvalidArgumentError
+from ..errors import ExportRefusedError, InvalidArgumentError
 
 #: input name → {axis: label}
 Axes = dict[str, dict[int, str]]

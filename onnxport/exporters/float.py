@@ -12,18 +12,18 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
-from ._axes import resolve_axes
-from ._cpu import WEIGHT_RANGE_KEY, WEIGHT_RANGES
-from ._io import check_output_path
-from .engine import ExportPlan, run_plan, validate_opset
-from .errors import InvalidArgumentError, PerformanceWarning, check_choice
-from .passes.gelu_order import GeluOrderPass
-from .passes.lower_opset import LowerOpsetPass
-from .passes.optimize import OnnxSlimPass
-from .passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
-from .passes.pool_window import PoolWindowPass
-from .passes.rsqrt_div import RsqrtToDivPass
-from .pipeline import IdenticalOutputs, LastBit, OnFile, Step, Structural
+from .._core.axes import resolve_axes
+from .._core.cpu import WEIGHT_RANGE_KEY, WEIGHT_RANGES
+from .._core.io import check_output_path
+from ..engine import ExportPlan, run_plan, validate_opset
+from ..errors import InvalidArgumentError, PerformanceWarning, check_choice
+from ..passes.gelu_order import GeluOrderPass
+from ..passes.lower_opset import LowerOpsetPass
+from ..passes.optimize import OnnxSlimPass
+from ..passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, SetMetadataPass
+from ..passes.pool_window import PoolWindowPass
+from ..passes.rsqrt_div import RsqrtToDivPass
+from ..pipeline import IdenticalOutputs, LastBit, OnFile, Step, Structural
 
 QUANTIZE_MODES = ("dynamic", "static")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
@@ -98,9 +98,9 @@ def export_onnx(
     """
     import torch
 
-    from ._export_torch import check_names, torch_program
-    from ._inputs import bind_sample, calibration_batches, flatten_outputs, forward_aliases, positional_forward
-    from ._torch import eval_mode, require_module
+    from .._core.capture import check_names, torch_program
+    from .._core.inputs import bind_sample, calibration_batches, flatten_outputs, forward_aliases, positional_forward
+    from .._core.torch_helpers import eval_mode, require_module
 
     # -- everything is validated before anything is written ---------------------------------
     require_module(model)

@@ -16,8 +16,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from . import _io
-from ._io import (
+from ..errors import InvalidArgumentError
+from . import io as _io
+from .io import (
     BASEPATH_KEY,
     EXTERNAL_BASE_KEY,
     EXTERNAL_SIZE_THRESHOLD,
@@ -26,7 +27,6 @@ from ._io import (
     has_unloaded_external_data,
     read_onnx,
 )
-from .errors import InvalidArgumentError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 #: ONNX Runtime's contrib operators (Gelu, GroupQueryAttention, SkipSimplifiedLayerNormalization, …).
@@ -151,7 +151,7 @@ def read_model(
 ) -> tuple[ir.Model, Path | None]:
     """``source`` as an ``ir.Model`` for reading, and the folder its external data lives in.
 
-    A path is read with :func:`onnxport._io.read_onnx` (named errors for missing, corrupt or
+    A path is read with :func:`onnxport._core.io.read_onnx` (named errors for missing, corrupt or
     unsafe files); a proto is wrapped without copying its tensors. Weights in external data stay
     on disk: an ``ir.ExternalTensor`` reads its bytes only when :func:`read_values` asks, from the
     model's folder or — for tensors a conversion spilled — onnxport's own scratch folder (any

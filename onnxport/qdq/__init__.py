@@ -1,1 +1,0 @@
-"""Faithful Q/DQ export of pt2e-quantized models, and what a Q/DQ file contains."""
