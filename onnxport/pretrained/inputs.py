@@ -14,8 +14,11 @@ import torch
 from ..errors import InvalidArgumentError
 from .tasks import Task
 
-#: The sample's sizes: two rows (a second size is one longer), a short sequence, one second of audio.
-BATCH, SEQUENCE, CHOICES, TEXTS = 2, 16, 2, 3
+#: The sample's sizes: two rows of text (the first one padded; a second size is one longer), one
+#: image or clip (its second size is two: a batch of one and of two prove the symbolic batch at
+#: half the cost of two and three, which for a large vision model is most of the export), a short
+#: sequence, one second of audio.
+BATCH, MEDIA_BATCH, SEQUENCE, CHOICES, TEXTS = 2, 1, 16, 2, 3
 AUDIO_SECONDS = 1.0
 DEFAULT_SAMPLING_RATE = 16000
 
@@ -114,11 +117,11 @@ def _spectrogram(model: torch.nn.Module, config: Any, generator: torch.Generator
         return None
     if getattr(model, "main_input_name", None) == "input_features":
         positions = getattr(config, "max_source_positions", 1500)
-        features = torch.randn(BATCH, mel, 2 * positions, generator=generator)
+        features = torch.randn(MEDIA_BATCH, mel, 2 * positions, generator=generator)
         return Signature(["input_features"], [features], {"input_features": {0: "batch"}})
     frames = getattr(config, "max_length", None)
     if isinstance(frames, int):
-        return Signature(["input_values"], [torch.randn(BATCH, frames, mel, generator=generator)],
+        return Signature(["input_values"], [torch.randn(MEDIA_BATCH, frames, mel, generator=generator)],
                          {"input_values": {0: "batch"}})
     return None
 
@@ -134,20 +137,20 @@ def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[st
         return _text(model, config, (BATCH, CHOICES, _sequence(config)), generator, "batch",
                      {0: "batch", 1: "choices", 2: "sequence"})
     if modality == "vision":
-        return Signature(["pixel_values"], [_pixels(config, BATCH, generator)], {"pixel_values": {0: "batch"}})
+        return Signature(["pixel_values"], [_pixels(config, MEDIA_BATCH, generator)], {"pixel_values": {0: "batch"}})
     if modality == "audio":
         spectrogram = _spectrogram(model, config, generator)
         if spectrogram is not None:
             return spectrogram
         rate = (preprocessor or {}).get("sampling_rate", DEFAULT_SAMPLING_RATE)
         samples = int(rate * AUDIO_SECONDS)
-        return Signature(["input_values"], [torch.randn(BATCH, samples, generator=generator) * 0.1],
+        return Signature(["input_values"], [torch.randn(MEDIA_BATCH, samples, generator=generator) * 0.1],
                          {"input_values": {0: "batch", 1: "samples"}})
     # text and images, each batch its own: one image against many labels
     text_config, vision_config = _sub(config, "text_config"), _sub(config, "vision_config")
     text = _text(model, text_config, (TEXTS, _sequence(text_config)), generator, "text_batch",
                  {0: "text_batch", 1: "sequence"})
     text.names.append("pixel_values")
-    text.sample.append(_pixels(vision_config, BATCH, generator))
+    text.sample.append(_pixels(vision_config, MEDIA_BATCH, generator))
     text.axes["pixel_values"] = {0: "image_batch"}
     return text
