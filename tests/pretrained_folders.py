@@ -169,7 +169,9 @@ def ast(folder: Path) -> Path:
     torch.manual_seed(0)
     config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                     max_length=64, num_mel_bins=32, num_labels=3)
-    return _saved(folder, transformers.ASTForAudioClassification(config))
+    _saved(folder, transformers.ASTForAudioClassification(config))
+    transformers.ASTFeatureExtractor(num_mel_bins=32, max_length=64).save_pretrained(folder)
+    return folder
 
 
 def whisper_classifier(folder: Path) -> Path:

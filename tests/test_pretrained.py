@@ -130,6 +130,26 @@ def test_dynamic_int8_in_one_command_without_calibration(tmp_path):
     assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
 
 
+@pytest.mark.parametrize("build", [lambda f: folders.wav2vec2(f, "Wav2Vec2ForSequenceClassification"), folders.ast],
+                         ids=["waveform", "spectrogram"])
+def test_int8_from_a_folder_of_audio_files_through_the_folders_feature_extractor(tmp_path, build):
+    import soundfile
+
+    source = build(tmp_path / "model")
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(6):  # clips of several lengths: the extractor pads or cuts them to the file's input
+        soundfile.write(str(clips / f"{i}.wav"), (0.1 * rng.standard_normal(2000 + 900 * i)).astype(np.float32), 16000)
+    result = export_pretrained(source, tmp_path / "out", quantize="int8", calibration=clips)
+    assert result.quantization["calibration_batches"] == 1 and result.proofs[0]["passed"]
+    # a .npz whose frames the file does not take is named before anything is written
+    np.savez(tmp_path / "short.npz", **{result.inputs[0]: np.zeros((2, 10, 32), np.float32)})
+    if result.inputs[0] == "input_values" and len(result.axes["input_values"]) == 1:
+        (tmp_path / "again").mkdir()
+        _refused(tmp_path / "again", "fixes axis 1 at 64", source, quantize="int8", calibration=tmp_path / "short.npz")
+
+
 def test_the_file_runs_with_the_folders_tokenizer(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -42,6 +42,13 @@ def _checked(columns: Mapping[str, Any], signature: Signature, where: str) -> di
                 f"{where}: '{name}' is {tuple(value.shape)} {value.dtype}, but the file takes {example.dim()}-D "
                 f"{example.dtype} (like {tuple(example.shape)})."
             )
+        fixed = [axis for axis in range(example.dim()) if axis not in signature.axes.get(name, {})
+                 and value.shape[axis] != example.shape[axis]]
+        if fixed:
+            raise InvalidArgumentError(
+                f"{where}: '{name}' is {tuple(value.shape)}, but the file fixes axis {fixed[0]} at "
+                f"{example.shape[fixed[0]]} (like {tuple(example.shape)}); give samples of that size."
+            )
         out[name] = value.to(example.dtype)
     return out
 
@@ -113,10 +120,14 @@ def _audio_folder(path: Path, signature: Signature, folder: Path | None, samples
 
     extractor = AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)
     waves = [soundfile.read(str(f), dtype="float32")[0] for f in files]
-    width = signature.sample[0].shape[-1]
-    values = extractor([w if w.ndim == 1 else w.mean(1) for w in waves], sampling_rate=extractor.sampling_rate,
-                       padding="max_length", max_length=width, truncation=True, return_tensors="pt")["input_values"]
-    return _batches(_checked({"input_values": values}, signature, f"calibration folder '{path}'"), samples)
+    waves = [w if w.ndim == 1 else w.mean(1) for w in waves]  # channels averaged to mono
+    name = signature.names[0]
+    if signature.sample[0].dim() == 2:  # a waveform: padded or cut to the sample's width
+        values = extractor(waves, sampling_rate=extractor.sampling_rate, padding="max_length",
+                           max_length=signature.sample[0].shape[-1], truncation=True, return_tensors="pt")[name]
+    else:  # features at the extractor's own fixed length (AST's frames, Whisper's 30 seconds)
+        values = extractor(waves, sampling_rate=extractor.sampling_rate, return_tensors="pt")[name]
+    return _batches(_checked({name: values}, signature, f"calibration folder '{path}'"), samples)
 
 
 def calibration_batches(calibration: Any, signature: Signature, folder: Path | None, *, samples: int,
