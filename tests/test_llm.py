@@ -344,3 +344,32 @@ def test_ort_cpu_decoder_of_every_family_generates_what_transformers_generates(f
     ids, mask = _prompts(seed=3)
     np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
                                   _transformers_greedy(model, ids, mask))
+
+
+def _moe(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**_SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                             head_dim=16)
+    else:
+        config = transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("flavour", ["portable", "ort-cpu"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_decoders_generate_what_transformers_generates(family, flavour, tmp_path):
+    # transformers' default experts run through a custom operator torch.onnx cannot translate; the
+    # export captures its batched implementation and proves the file against the model as it is
+    model = _moe(family)
+    default = model.config._experts_implementation
+    result = export_decoder(model, tmp_path / "moe.onnx", flavour=flavour)
+    assert model.config._experts_implementation == default  # the model is given back as it was
+    ops = {(n.domain, n.op_type) for n in onnx.load_model(str(result), load_external_data=False).graph.node}
+    if flavour == "portable":
+        assert {domain for domain, _ in ops} <= {"", "ai.onnx"}
+    ids, mask = _prompts(seed=5)
+    np.testing.assert_array_equal(generate(result, ids, mask, 32, eos_token_id=None),
+                                  _transformers_greedy(model, ids, mask, new=32))
