@@ -36,6 +36,7 @@ from ..passes.gelu_order import GeluOrderPass
 from ..passes.global_mean import SpatialMeanToGlobalPoolPass
 from ..passes.linear_bias_rank import LinearBiasRankPass
 from ..passes.lower_opset import LowerOpsetPass
+from ..passes.optimize import OnnxSlimPass
 from ..passes.pool_window import PoolWindowPass
 from ..passes.qdq_parameters import FoldQDQParameterCastsPass
 from ..passes.rsqrt_div import RsqrtToDivPass
@@ -224,6 +225,10 @@ def dynamic_steps(opset_version: int) -> list[Step]:
         Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural),
         Step("write linear layers as MatMulInteger", MatMulIntegerPass(), LastBit),
         Step("write rsqrt as a division", RsqrtToDivPass(), LastBit),
+        # as export_onnx does: no weight is left behind a DequantizeLinear (MatMulInteger reads them),
+        # and onnxslim keeps such pairs anyway; it drops what a float file drops (an all-zero bias
+        # or mask added, a constant computed at every run)
+        Step("optimise with onnxslim", OnnxSlimPass(), LastBit),
     ]
 
 
