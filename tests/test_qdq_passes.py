@@ -104,7 +104,8 @@ def test_uint8_moves_activation_pairs_only_and_is_byte_identical():
     assert [o.tobytes() for o in after] == [o.tobytes() for o in before]
     assert qdq_stats(moved).as_dict() == {
         "n_quantize": 2, "n_dequantize": 3, "n_per_channel": 1, "n_nonzero_zero_point": 4,
-        "n_unquantized_conv_add": 0, "n_uint8": 4, "n_blocked": 0, "n_int4": 0,
+        "n_unquantized_conv_add": 0, "n_uint8": 4, "n_blocked": 0, "n_int4": 0, "n_dynamic_quantize": 0,
+        "n_integer_ops": 0,
     }
     assert on_proto(ActivationsToUint8Pass(), moved).SerializeToString() == moved.SerializeToString()
 
@@ -190,7 +191,7 @@ def test_float_graph_has_no_unquantized_edges():
     body = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Add", ["c", "x"], ["y"])]
     assert qdq_stats(_graph_with(body, _W)).as_dict() == dict.fromkeys(
         ["n_quantize", "n_dequantize", "n_per_channel", "n_nonzero_zero_point", "n_unquantized_conv_add", "n_uint8",
-         "n_blocked", "n_int4"], 0)
+         "n_blocked", "n_int4", "n_dynamic_quantize", "n_integer_ops"], 0)
 
 
 def test_missing_zero_point_and_non_constant_parameters():

@@ -218,7 +218,7 @@ def test_weight_only_construction_errors():
 
 def test_external_data_path_writes_a_complete_checked_pair(tmp_path, monkeypatch):
     """The >2 GB path (weights in <name>.data), exercised on a small model by lowering the limit."""
-    from onnxport import _io
+    from onnxport._core import io as _io
 
     monkeypatch.setattr(_io, "EXTERNAL_DATA_BYTES", 0)
     torch.manual_seed(0)

@@ -265,7 +265,8 @@ def _float_floor(model: torch.nn.Module, shape: DecoderShape, tokens: np.ndarray
         return wide
     wide_shape = dataclasses.replace(shape, cache_dtype="float64")
     try:
-        with eval_mode(wide):
+        # a mixture of experts' default implementation (a grouped matmul) has no float64 kernel
+        with eval_mode(wide), exportable_experts(wide):
             reference, _ = _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)
     except FLOAT64_ERRORS as error:
         return float64_failure(error)
