@@ -17,10 +17,11 @@ converter's output).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import onnx
 import onnx_ir as ir
 
 from ._core.axes import Axes
-from ._core.io import check_output_path, staged_output
+from ._core.io import check_output_path, staged_folder, staged_output
 from ._core.ir import write_model
 from .errors import InvalidArgumentError
 from .pipeline import Pipeline, Step, sizes_of
@@ -177,3 +178,13 @@ def save_model(
                     f"Fix the model, or pass check=False to write it anyway."
                 ) from error
     return target
+
+
+@contextlib.contextmanager
+def output_folder_stage(output_dir: str | os.PathLike) -> Iterator[Path]:
+    """A stage for an exporter that writes a folder (a model file with its companions): the plans
+    run into it (each file staged and proven by :func:`run_plan`), and the folder's files are moved
+    into ``output_dir`` together when the block succeeds, the model files last; on an exception
+    ``output_dir`` is left as it was."""
+    with staged_folder(output_dir) as stage:
+        yield stage

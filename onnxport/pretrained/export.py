@@ -14,7 +14,8 @@ from typing import Any, Literal
 import torch
 
 from .._core.axes import second_size
-from .._core.io import check_output_folder, staged_folder, write_text_atomic
+from .._core.io import check_output_folder, write_text_atomic
+from ..engine import output_folder_stage
 from ..errors import ExportRefusedError, InvalidArgumentError, check_choice
 from .calibration import calibration_batches
 from .inputs import Signature, build_signature
@@ -215,7 +216,7 @@ def export_pretrained(
     batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
                                    length=calibration_length) if quantize == "int8" else None)
 
-    with staged_folder(folder) as stage:
+    with output_folder_stage(folder) as stage:
         path = stage / MODEL_FILE
         quantization, proofs = _write(wrapper, loaded.task, signature, path, quantize=quantize, batches=batches,
                                       target=target, opset_version=opset_version)
