@@ -146,9 +146,9 @@ def _empty_past(session: Any, batch: int) -> list[np.ndarray]:
 
 def generate(
     model: str | os.PathLike | Any,
-    input_ids: Any,
+    input_ids: Any = None,
     attention_mask: Any = None,
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     *,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -158,16 +158,29 @@ def generate(
     eos_token_id: int | Sequence[int] | None = -1,
     pad_token_id: int | None = -1,
     session_options: Any = None,
+    **seq2seq: Any,
 ) -> np.ndarray:
-    """Generate tokens with a decoder file onnxport exported, in ONNX Runtime on the CPU.
+    """Generate tokens with a decoder file or an encoder–decoder folder onnxport exported, in ONNX
+    Runtime on the CPU.
+
+    An :func:`~onnxport.llm.export_seq2seq` folder (``encoder_model.onnx`` and
+    ``decoder_model.onnx``) is generated with as its ``generation_config.json`` says — greedy,
+    sampling or beam search, its forced, suppressed and end tokens — and takes ``input_ids`` and
+    ``attention_mask`` (text) or ``input_features`` (Whisper), ``max_new_tokens`` (default: the
+    config's ``max_length``) and transformers' names for what to change: ``num_beams``,
+    ``length_penalty``, ``early_stopping``, ``num_return_sequences``, ``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``seed``; Whisper also ``language`` (detected from the
+    audio when not given) and ``task``. It returns the decoder's tokens, its start token first
+    (for Whisper, the prompt of start, language, task and no-timestamps tokens first), rows that
+    ended filled with padding, as transformers' ``generate`` returns them for encoder–decoders.
 
     Args:
-        model: the ``.onnx`` file :func:`export_decoder` wrote (or its result), or an
-            ``onnxruntime.InferenceSession`` of it.
+        model: the ``.onnx`` file :func:`export_decoder` wrote (or its result, or the folder it
+            wrote), an ``onnxruntime.InferenceSession`` of it, or an ``export_seq2seq`` folder.
         input_ids: the prompts, ``[batch, length]`` integer ids (a list, NumPy array or tensor);
             rows of different lengths are padded on the left.
         attention_mask: 1 for real tokens, 0 for left padding (default: all ones).
-        max_new_tokens: how many tokens to add at most.
+        max_new_tokens: how many tokens to add at most (a decoder file: default 32).
         do_sample: draw each token from the softmax of its logits (with ``temperature``,
             ``top_k``, ``top_p`` and ``seed``) instead of taking the largest (greedy).
         eos_token_id, pad_token_id: the model's own (recorded in the file) unless given; ``None``
@@ -182,6 +195,26 @@ def generate(
 
     from ..runtime import make_session
 
+    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
+        folder = Path(model)
+        if (folder / "encoder_model.onnx").is_file() or not (folder / "model.onnx").is_file():
+            from .seq2seq_generate import generate_seq2seq
+
+            sampling = {"do_sample": do_sample or None, "temperature": temperature if do_sample else None,
+                        "top_k": top_k or None, "top_p": top_p if top_p < 1.0 else None, "seed": seed}
+            return generate_seq2seq(folder, input_ids=input_ids, attention_mask=attention_mask,
+                                    max_new_tokens=max_new_tokens, session_options=session_options,
+                                    **sampling, **seq2seq)
+        model = folder / "model.onnx"
+    if seq2seq:
+        raise InvalidArgumentError(
+            f"{', '.join(sorted(seq2seq))}: options of an encoder-decoder folder (export_seq2seq); a decoder file "
+            f"takes none of them."
+        )
+    if input_ids is None:
+        raise InvalidArgumentError("input_ids is required: the prompts, [batch, length] integer token ids.")
+    if max_new_tokens is None:
+        max_new_tokens = 32
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidArgumentError(f"max_new_tokens must be a positive integer, not {max_new_tokens!r}.")
     if do_sample and (not isinstance(temperature, (int, float)) or temperature <= 0):

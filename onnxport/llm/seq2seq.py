@@ -1,0 +1,428 @@
+"""``export_seq2seq``: a transformers encoder–decoder (T5, BART, Marian, mBART, M2M100, Pegasus,
+Whisper, …) to an encoder file and one decoder file with its cache, proven by decoding with the
+pair against the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._core.torch_helpers import eval_mode
+from ..compare import Report, RunResults, ScaledAllclose, WithinFloatFloor, compare_runs, relative_distance
+from ..compare.exported import FLOAT64_ERRORS, FLOAT_FLOOR_MULTIPLE, float64_copy, float64_failure, nonfinite_reason
+from ..engine import validate_opset
+from ..errors import ExportRefusedError, InvalidArgumentError, WeakerCheckWarning, check_choice
+from .search import DecoderStep, Settings, greedy_or_sample, interleave
+from .seq2seq_generate import Encode, ort_decoder, ort_encoder
+from .seq2seq_model import (
+    DECODER_FILE,
+    ENCODER_FILE,
+    METADATA_KEY,
+    Seq2SeqShape,
+    decoder_call,
+    decoder_forward,
+    encoder_call,
+    encoder_forward,
+    load_seq2seq,
+    sample_source,
+    seq2seq_shape,
+    start_token,
+)
+
+PRECISIONS = ("fp32",)
+FLAVOURS = ("portable",)
+#: The oldest opset the exporter writes, read by every ONNX Runtime since 1.14.
+DEFAULT_OPSET = 18
+#: New tokens the proof decodes (teacher-forced: the model's greedy tokens fed to both).
+PROOF_TOKENS = 8
+#: Where the model's float floor cannot be measured, the files are held to this.
+FP32_TOLERANCE = ScaledAllclose(rtol=1e-4, atol=1e-4)
+#: save_pretrained's companions a generator needs beside the files (tokenizers, processors);
+#: config.json and generation_config.json are written from the model itself.
+COMPANION_SUFFIXES = (".json", ".model", ".spm", ".txt", ".tiktoken")
+_NOT_COMPANIONS = ("config.json", "generation_config.json")
+
+
+@dataclass
+class Seq2SeqFiles:
+    """What :func:`export_seq2seq` wrote and proved. ``os.fspath`` gives the folder.
+
+    Attributes:
+        folder: the output folder; ``encoder``, ``decoder``: its two files.
+        encoder_agreement: the encoder file's outputs (its output and every layer's cross keys
+            and values) against the model's, at ONNX Runtime's unoptimised level.
+        agreement: the decoder's logits at every step of the proof's decoding (the encoder file
+            feeding it), unoptimised; ``deployed``: the same at ONNX Runtime's default level.
+        token_agreement: the share of the proof's greedy tokens the files (default level) pick as
+            the model does, each step fed the model's own previous token.
+    """
+
+    folder: Path
+    encoder: Path
+    decoder: Path
+    precision: str
+    flavour: str
+    shape: Seq2SeqShape
+    encoder_agreement: Report | None = None
+    agreement: Report | None = None
+    deployed: Report | None = None
+    token_agreement: float = 1.0
+
+    def __fspath__(self) -> str:
+        return str(self.folder)
+
+    def __str__(self) -> str:
+        return str(self.folder)
+
+    def summary(self) -> str:
+        """What was written and how it was proven, in a few lines."""
+        lines = [
+            (f"{self.folder} ({self.shape.model_type}: {ENCODER_FILE} + {DECODER_FILE}, {self.shape.layers} decoder "
+            f"layers, {self.precision}, {self.flavour})"),
+            f"  greedy tokens as the model's (default level): {self.token_agreement:.1%}",
+        ]
+        for label, report in (("encoder outputs", self.encoder_agreement), ("logits, unoptimised", self.agreement),
+                              ("logits, default level", self.deployed)):
+            if report is not None:
+                worst = min(r.cosine_similarity for r in report.outputs)
+                lines.append(f"  {label} vs the model: min cosine {worst:.8f}, "
+                             f"max |diff| {max(r.max_abs_error for r in report.outputs):.3g}")
+        return "\n".join(lines)
+
+
+def _output_dir(output_dir: Any) -> Path:
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise InvalidArgumentError(f"output_dir must be a folder path (str or os.PathLike), not {type(output_dir).__name__}.")
+    path = Path(output_dir)
+    if path.suffix == ".onnx":
+        raise InvalidArgumentError(
+            f"output_dir '{path}' names a .onnx file; export_seq2seq writes a folder ({ENCODER_FILE}, {DECODER_FILE} "
+            f"and the model's configs): give a folder."
+        )
+    if path.exists() and not path.is_dir():
+        raise InvalidArgumentError(f"output_dir '{path}' is a file; give a folder.")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"The folder above output_dir '{path}' does not exist; create '{parent}' first.")
+    return path
+
+
+def torch_encoder(model: Any, shape: Seq2SeqShape, start: int) -> Encode:
+    """The encode function of the PyTorch model itself (the proof's reference)."""
+    dtype = next(model.parameters()).dtype
+
+    def encode(source: np.ndarray, mask: np.ndarray | None) -> list[np.ndarray]:
+        given = torch.from_numpy(source)
+        with torch.no_grad():
+            out = encoder_call(model, given.to(dtype) if shape.audio else given,
+                               None if mask is None else torch.from_numpy(mask), shape.audio, start)
+        return [t.numpy() for t in out]
+
+    return encode
+
+
+def torch_decoder(model: Any, shape: Seq2SeqShape) -> DecoderStep:
+    """The decoder step of the PyTorch model itself."""
+
+    def step(ids: np.ndarray, mask: np.ndarray | None, own: list[np.ndarray],
+             cross: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        past = tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in interleave(own, cross))
+        with torch.no_grad():
+            out = decoder_call(model, shape.layers, shape.hidden, torch.from_numpy(ids),
+                               None if mask is None else torch.from_numpy(mask), past)
+        return out[0].numpy(), [t.numpy() for t in out[1:]]
+
+    return step
+
+
+@dataclass
+class _Proof:
+    """The proof's sources, the model's tokens on them, and the references each file is held to."""
+
+    source: np.ndarray
+    mask: np.ndarray | None
+    prompt: np.ndarray
+    tokens: np.ndarray
+    encoder_outputs: list[np.ndarray]
+    logits: list[np.ndarray]
+    #: the model in float64: its encoder outputs and logits, and the float32 run's distance from them
+    wide_encoder: list[np.ndarray] | None = None
+    wide_logits: list[np.ndarray] | None = None
+    encoder_floors: dict[str, float] | None = None
+    logit_floors: dict[str, float] | None = None
+
+
+def _greedy(settings_start: int) -> Settings:
+    """The proof's search: the model's own largest logit, no processors, a fixed length."""
+    return Settings(decoder_start_token_id=settings_start, max_new_tokens=PROOF_TOKENS)
+
+
+def _forced(step: DecoderStep, cross: list[np.ndarray], mask: np.ndarray | None, proof: _Proof,
+            start: int) -> tuple[list[np.ndarray], float]:
+    """``step``'s logits at every step, fed the model's tokens (teacher forcing), and how often
+    its own pick matched them."""
+    forced = iter(proof.tokens[:, proof.prompt.shape[1]:].T)
+    logits: list[np.ndarray] = []
+    agree: list[bool] = []
+
+    def choose(scores: np.ndarray) -> np.ndarray:
+        chosen = next(forced)
+        agree.extend(scores.argmax(-1) == chosen)
+        return chosen
+
+    greedy_or_sample(step, cross, mask, proof.prompt, _greedy(start), on_logits=logits.append, choose=choose)
+    return logits, float(np.mean(agree))
+
+
+def _step_names(n: int) -> list[str]:
+    return ["first step"] + [f"step {i}" for i in range(1, n)]
+
+
+def _reference(model: Any, shape: Seq2SeqShape, start: int) -> _Proof:
+    source_t, mask_t = sample_source(model, 2, 7, seed=1)
+    source = source_t.numpy()
+    mask = None if mask_t is None else mask_t.numpy()
+    prompt = np.full((2, 1), start, np.int64)
+    encoded = torch_encoder(model, shape, start)(source, mask)
+    logits: list[np.ndarray] = []
+    tokens = greedy_or_sample(torch_decoder(model, shape), encoded[1:], mask, prompt, _greedy(start),
+                              on_logits=logits.append)
+    return _Proof(source, mask, prompt, tokens, encoded, logits)
+
+
+def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof) -> str | None:
+    """Fill the proof's float64 references and floors, or say why they cannot be measured."""
+    wide = float64_copy(model)
+    if isinstance(wide, str):
+        return wide
+    wide_shape = dataclasses.replace(shape, cache_dtype="float64")
+    try:
+        with eval_mode(wide):
+            encoded = torch_encoder(wide, wide_shape, start)(proof.source, proof.mask)
+            logits, _ = _forced(torch_decoder(wide, wide_shape), encoded[1:], proof.mask, proof, start)
+    except FLOAT64_ERRORS as error:
+        return float64_failure(error)
+    finally:
+        del wide
+    broken = nonfinite_reason(encoded, proof.encoder_outputs) or nonfinite_reason(logits, proof.logits)
+    if broken is not None:
+        return broken
+    proof.wide_encoder, proof.wide_logits = encoded, logits
+    proof.encoder_floors = {n: relative_distance(a, b) for n, a, b in zip(shape.encoder_outputs, proof.encoder_outputs, encoded)}
+    proof.logit_floors = {n: relative_distance(a, b) for n, a, b in zip(_step_names(len(logits)), proof.logits, logits)}
+    return None
+
+
+def _compare(names: list[str], got: list[np.ndarray], ref: list[np.ndarray], floors: dict[str, float] | None,
+             level: str) -> Report:
+    strategy: Any = WithinFloatFloor(FLOAT_FLOOR_MULTIPLE) if floors is not None else FP32_TOLERANCE
+    runner = "the PyTorch model" + (" in float64" if floors is not None else "")
+    return compare_runs(RunResults(f"the files (ONNX Runtime, {level})", dict(zip(names, got)), 2),
+                        RunResults(runner, dict(zip(names, ref)), 2), strategy, float_floors=floors)
+
+
+def _axes(shape: Seq2SeqShape) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, str]]]:
+    """The encoder's and the decoder's symbolic axes (a speech encoder's frames are fixed)."""
+    if shape.audio:
+        encoder = {shape.encoder_inputs[0]: {0: "batch"}}
+        cross_axes = {0: "batch"}
+    else:
+        encoder = {name: {0: "batch", 1: "source"} for name in shape.encoder_inputs}
+        cross_axes = {0: "batch", 2: "source"}
+    decoder: dict[str, dict[int, str]] = {shape.decoder_inputs[0]: {0: "batch", 1: "sequence"}}
+    if not shape.audio:
+        decoder[shape.decoder_inputs[1]] = {0: "batch", 1: "source"}
+    for name in shape.past_names:
+        decoder[name] = {0: "batch", 2: "past_sequence"} if ".decoder." in name else dict(cross_axes)
+    return encoder, decoder
+
+
+def export_seq2seq(
+    source: Any,
+    output_dir: str | os.PathLike,
+    *,
+    precision: str = "fp32",
+    flavour: str = "portable",
+    opset_version: int | None = None,
+) -> Seq2SeqFiles:
+    """Export a transformers encoder–decoder to an encoder file and one decoder file with its cache.
+
+    ``output_dir`` receives ``encoder_model.onnx`` and ``decoder_model.onnx``, the model's
+    ``config.json`` and ``generation_config.json``, and the tokenizer and processor files of the
+    folder it came from; :func:`onnxport.llm.generate` generates with it.
+
+    The encoder file takes ``input_ids`` and ``attention_mask`` (speech: ``input_features``) and
+    gives ``last_hidden_state`` and every decoder layer's cross-attention keys and values
+    (``present.{i}.encoder.key/value``): they depend on the source alone, so they are computed once.
+    The decoder file takes ``input_ids``, ``encoder_attention_mask`` (text) and, per layer,
+    ``past_key_values.{i}.decoder.key/value`` (its own cache, empty at the first step) and
+    ``past_key_values.{i}.encoder.key/value``; it gives ``logits`` and
+    ``present.{i}.decoder.key/value``. Batch, source, sequence and past lengths are symbolic, so
+    the one decoder graph runs the first step and every later one (no second copy of its weights,
+    no ``If``); Whisper's encoder takes its fixed 30 s of frames.
+
+    Args:
+        source: a transformers model (``AutoModelForSeq2SeqLM``, ``AutoModelForSpeechSeq2Seq``) or
+            the folder ``save_pretrained`` wrote (loaded in float32; nothing is downloaded).
+        output_dir: the folder to write; it holds complete, proven files or is left as it was.
+        precision: ``'fp32'``.
+        flavour: ``'portable'``: standard ONNX operators at ``opset_version``.
+        opset_version: the default-domain opset, 18 (the default) or later.
+
+    Returns:
+        A :class:`Seq2SeqFiles`. The proof: two sources (one left-padded; speech: two clips) are
+        encoded by the encoder file and decoded for 8 greedy tokens by the decoder file, fed the
+        model's tokens; the encoder's outputs and every step's logits must lie within the model's
+        own float floor (its float64 run the reference, at most 8 times its float32 run's distance
+        from it) at ONNX Runtime's unoptimised level; the default level's figures and token
+        agreement are reported.
+    """
+    from tqdm.auto import tqdm
+
+    from ..engine import output_folder_stage
+
+    check_choice(precision, PRECISIONS, "precision")
+    check_choice(flavour, FLAVOURS, "flavour")
+    opset = validate_opset(DEFAULT_OPSET if opset_version is None else opset_version, lowest=DEFAULT_OPSET,
+                           why=f"export_seq2seq writes opset {DEFAULT_OPSET} or later.")
+    folder = _output_dir(output_dir)
+    model = load_seq2seq(source)
+    source_folder = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    name = type(model).__name__
+    with eval_mode(model), tqdm(total=4, desc="export_seq2seq", leave=False, disable=None) as bar:
+        start = start_token(model)
+        shape = seq2seq_shape(model)
+        proof = _reference(model, shape, start)
+        why = _float_floor(model, shape, start, proof)
+        if why is not None:
+            warnings.warn(
+                f"export_seq2seq cannot measure {name}'s float floor: {why}. The files are held to a fixed "
+                f"tolerance instead ({FP32_TOLERANCE.describe()}).",
+                WeakerCheckWarning,
+                stacklevel=2,
+            )
+        bar.update()
+        result = Seq2SeqFiles(folder, folder / ENCODER_FILE, folder / DECODER_FILE, precision, flavour, shape)
+        with output_folder_stage(folder) as stage:
+            _write_encoder(model, shape, start, opset, proof, stage / ENCODER_FILE, result)
+            bar.update()
+            _write_decoder(model, shape, start, opset, proof, stage, result, name)
+            bar.update()
+            _write_companions(model, stage, source_folder)
+        bar.update()
+    return result
+
+
+def _record(shape: Seq2SeqShape, precision: str, flavour: str) -> dict[str, str]:
+    return {METADATA_KEY: json.dumps({**dataclasses.asdict(shape), "precision": precision, "flavour": flavour})}
+
+
+def _steps() -> list:
+    from .export import decoder_steps
+
+    return decoder_steps([])
+
+
+def _write_encoder(model: Any, shape: Seq2SeqShape, start: int, opset: int, proof: _Proof, file: Path,
+                   result: Seq2SeqFiles) -> None:
+    from .._core.capture import torch_program
+    from ..engine import ExportPlan, run_plan
+    from ..runtime import make_session
+
+    axes, _ = _axes(shape)
+    sample, mask = sample_source(model, 2, 5, seed=0)
+    inputs = (sample,) if mask is None else (sample, mask)
+    feeds = dict(zip(shape.encoder_inputs, (t.numpy() for t in inputs)))
+
+    def capture() -> Any:
+        with encoder_forward(model, shape, start):
+            return torch_program(model, inputs, opset_version=opset, input_names=shape.encoder_inputs,
+                                 output_names=shape.encoder_outputs, axes=axes).model
+
+    def proven(path: Path) -> None:
+        session = make_session(path, optimized=False)
+        got = ort_encoder(session)(proof.source, proof.mask)
+        reference = proof.wide_encoder or proof.encoder_outputs
+        result.encoder_agreement = _compare(shape.encoder_outputs, got, reference, proof.encoder_floors, "unoptimised")
+        if not result.encoder_agreement:
+            raise ExportRefusedError(
+                f"The encoder file does not compute what the model's encoder computes:\n{result.encoder_agreement}\n"
+                f"Nothing was kept."
+            )
+
+    run_plan(ExportPlan("export_seq2seq encoder", opset, feeds, capture, _steps(), axes=axes, keep_reference=False,
+                        rules=[proven], metadata=_record(shape, result.precision, result.flavour)), file)
+
+
+def _write_decoder(model: Any, shape: Seq2SeqShape, start: int, opset: int, proof: _Proof, stage: Path,
+                   result: Seq2SeqFiles, name: str) -> None:
+    from .._core.capture import torch_program
+    from ..engine import ExportPlan, run_plan
+    from ..runtime import make_session
+
+    _, axes = _axes(shape)
+    generator = torch.Generator().manual_seed(2)
+    cross = [torch.from_numpy(t) for t in proof.encoder_outputs[1:]]
+    own = [torch.randn(2, shape.heads, 4, shape.head_dim, generator=generator) for _ in cross]
+    ids = torch.from_numpy(proof.tokens[:, :3].copy())
+    mask = None if proof.mask is None else torch.from_numpy(proof.mask)
+    inputs = (ids, *([] if mask is None else [mask]), *interleave(own, cross))
+
+    def feeds(past: int, length: int) -> dict[str, np.ndarray]:
+        values = [proof.tokens[:, past:past + length].copy(), *([] if proof.mask is None else [proof.mask]),
+                  *interleave([t[:, :, :past].numpy().copy() for t in own], proof.encoder_outputs[1:])]
+        return dict(zip(shape.decoder_inputs, values))
+
+    def capture() -> Any:
+        with decoder_forward(model, shape):
+            # torch.export takes every traced size to be at least 2
+            return torch_program(model, inputs, opset_version=opset, input_names=shape.decoder_inputs,
+                                 output_names=shape.decoder_outputs, axes=axes).model
+
+    def decoding(path: Path) -> None:
+        encoder = ort_encoder(make_session(stage / ENCODER_FILE, optimized=False))
+        levels = {}
+        for optimized in (False, True):
+            encoded = encoder(proof.source, proof.mask)
+            step = ort_decoder(make_session(path, optimized=optimized))
+            levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, start)
+        reference = proof.wide_logits or proof.logits
+        names = _step_names(len(reference))
+        result.agreement = _compare(names, levels[False][0], reference, proof.logit_floors, "unoptimised")
+        if not result.agreement:
+            raise ExportRefusedError(
+                f"The encoder and decoder files do not generate what {name} generates:\n{result.agreement}\nNothing was kept."
+            )
+        result.deployed = _compare(names, levels[True][0], reference, proof.logit_floors, "default level")
+        result.token_agreement = levels[True][1]
+
+    run_plan(ExportPlan("export_seq2seq decoder", opset, feeds(0, 1), capture, _steps(), axes=axes,
+                        samples=[feeds(0, 1), feeds(3, 1), feeds(2, 3)], keep_reference=False, rules=[decoding],
+                        metadata=_record(shape, result.precision, result.flavour)), stage / DECODER_FILE)
+
+
+def _write_companions(model: Any, stage: Path, source_folder: Path | None) -> None:
+    """config.json and generation_config.json from the model, and the tokenizer and processor
+    files of the folder it was loaded from."""
+    model.config.to_json_file(stage / "config.json")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.to_json_file(stage / "generation_config.json")
+    if source_folder is None:
+        return
+    for path in sorted(source_folder.iterdir()):
+        if (path.is_file() and path.suffix in COMPANION_SUFFIXES and path.name not in _NOT_COMPANIONS
+                and not path.name.endswith(".index.json")):
+            shutil.copyfile(path, stage / path.name)
+
+
+__all__ = ["FLAVOURS", "PRECISIONS", "Seq2SeqFiles", "export_seq2seq"]

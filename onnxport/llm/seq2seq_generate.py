@@ -1,0 +1,248 @@
+"""``generate`` for an ``export_seq2seq`` folder: the encoder file once per source, then the
+decoder file one token at a time with its cache, the tokens searched as the model's
+``generation_config.json`` asks (see :mod:`onnxport.llm.search`). Needs ONNX Runtime and NumPy
+only: transformers is not imported."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .search import DecoderStep, Settings, interleave, search
+from .seq2seq_model import (
+    DECODER_FILE,
+    ENCODER_ATTENTION_MASK,
+    ENCODER_FILE,
+    INPUT_IDS,
+    METADATA_KEY,
+)
+
+#: ``encode(source, attention_mask) -> [last_hidden_state, *cross keys and values]``
+Encode = Callable[[np.ndarray, "np.ndarray | None"], list[np.ndarray]]
+
+
+def ort_encoder(session: Any) -> Encode:
+    """The encode function of an encoder file's session."""
+    names = [i.name for i in session.get_inputs()]
+    outputs = [o.name for o in session.get_outputs()]
+
+    def encode(source: np.ndarray, mask: np.ndarray | None) -> list[np.ndarray]:
+        feeds = {names[0]: source}
+        if len(names) > 1:
+            feeds[names[1]] = mask if mask is not None else np.ones(source.shape[:2], np.int64)
+        return list(session.run(outputs, feeds))
+
+    return encode
+
+
+def ort_decoder(session: Any) -> DecoderStep:
+    """The step function of a decoder file's session."""
+    names = [i.name for i in session.get_inputs()]
+    outputs = [o.name for o in session.get_outputs()]
+    masked = ENCODER_ATTENTION_MASK in names
+    past_names = names[2:] if masked else names[1:]
+
+    def step(ids: np.ndarray, mask: np.ndarray | None, own: list[np.ndarray],
+             cross: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feeds = {INPUT_IDS: ids, **dict(zip(past_names, interleave(own, cross)))}
+        if masked:
+            feeds[ENCODER_ATTENTION_MASK] = mask
+        result = session.run(outputs, feeds)
+        return result[0], list(result[1:])
+
+    return step
+
+
+def folder_info(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(what the exporter recorded, generation_config.json, config.json) of an output folder, or an
+    error naming the file that is missing."""
+    for name in (ENCODER_FILE, DECODER_FILE):
+        if not (folder / name).is_file():
+            raise InvalidArgumentError(
+                f"'{folder}' has no {name}, so it is not a folder export_seq2seq wrote; export the model with "
+                f"export_seq2seq (onnxport export FOLDER --task text2text-generation) first."
+            )
+    import onnx
+
+    meta = {p.key: p.value for p in onnx.load_model(str(folder / DECODER_FILE), load_external_data=False).metadata_props}
+    if METADATA_KEY not in meta:
+        raise InvalidArgumentError(
+            f"{folder / DECODER_FILE} carries no '{METADATA_KEY}' record, so it is not a decoder export_seq2seq wrote; "
+            f"export the model again with export_seq2seq."
+        )
+    configs = []
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        try:
+            configs.append(json.loads(path.read_text()) if path.is_file() else {})
+        except (OSError, ValueError) as error:
+            raise InvalidArgumentError(f"{path} cannot be read as JSON: {error}") from error
+    return json.loads(meta[METADATA_KEY]), configs[0], configs[1]
+
+
+def _ids(values: Any, argument: str) -> np.ndarray:
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim == 1:
+        array = array[None, :]
+    if array.ndim != 2 or array.shape[1] == 0 or not np.issubdtype(array.dtype, np.integer):
+        raise InvalidArgumentError(
+            f"{argument} must be a non-empty [batch, length] array of integer ids, not {array.dtype} shaped {list(array.shape)}."
+        )
+    return array.astype(np.int64)
+
+
+def _language_token(language: str, generation: dict[str, Any]) -> int:
+    table: dict[str, int] = generation.get("lang_to_id") or {}
+    for key in (language, f"<|{language}|>"):
+        if key in table:
+            return int(table[key])
+    names = {v.lower(): k for k, v in _WHISPER_LANGUAGES.items()}
+    code = names.get(language.lower())
+    if code is not None and f"<|{code}|>" in table:
+        return int(table[f"<|{code}|>"])
+    raise InvalidArgumentError(
+        f"language={language!r} is not one the model knows; give one of: "
+        f"{', '.join(sorted(k.strip('<|>') for k in table)) or '(the model lists none)'}."
+    )
+
+
+#: The few language names Whisper users type most, to their codes (the model's table has codes).
+_WHISPER_LANGUAGES = {"en": "english", "de": "german", "fr": "french", "es": "spanish", "it": "italian",
+                      "pt": "portuguese", "nl": "dutch", "ru": "russian", "zh": "chinese", "ja": "japanese",
+                      "ko": "korean", "ar": "arabic", "hi": "hindi", "pl": "polish", "tr": "turkish",
+                      "uk": "ukrainian", "sv": "swedish"}
+
+
+def speech_prompt(generation: dict[str, Any], batch: int, language: str | None, task: str | None,
+                  return_timestamps: bool, detect: Callable[[np.ndarray, list[int]], np.ndarray]) -> np.ndarray:
+    """Whisper's decoder prompt: start of transcript, then (multilingual models) the language —
+    detected from the audio when not given, as transformers does — and the task, then no-timestamps
+    unless timestamps are asked for."""
+    start = int(generation["decoder_start_token_id"])
+    multilingual = bool(generation.get("is_multilingual")) and bool(generation.get("lang_to_id"))
+    if not multilingual and (language is not None or task is not None):
+        raise InvalidArgumentError(
+            "This Whisper model is English-only (its generation config is not multilingual), so it takes no "
+            "language or task; leave them out."
+        )
+    columns: list[np.ndarray] = [np.full(batch, start, np.int64)]
+    if multilingual:
+        if language is not None:
+            columns.append(np.full(batch, _language_token(language, generation), np.int64))
+        else:
+            columns.append(detect(np.stack(columns, 1), sorted(int(v) for v in generation["lang_to_id"].values())))
+        tasks: dict[str, int] = generation.get("task_to_id") or {}
+        chosen = task or "transcribe"
+        if chosen not in tasks:
+            raise InvalidArgumentError(f"task={chosen!r} is not one the model knows; give one of: {', '.join(sorted(tasks))}.")
+        columns.append(np.full(batch, int(tasks[chosen]), np.int64))
+    no_timestamps = generation.get("no_timestamps_token_id")
+    if return_timestamps:
+        raise InvalidArgumentError(
+            "return_timestamps=True is not supported yet: onnxport's search has no Whisper timestamp rules; "
+            "generate without timestamps."
+        )
+    if no_timestamps is not None:
+        columns.append(np.full(batch, int(no_timestamps), np.int64))
+    return np.stack(columns, 1)
+
+
+def generate_seq2seq(
+    folder: str | os.PathLike,
+    *,
+    input_ids: Any = None,
+    attention_mask: Any = None,
+    input_features: Any = None,
+    max_new_tokens: int | None = None,
+    num_beams: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
+    num_return_sequences: int | None = None,
+    language: str | None = None,
+    task: str | None = None,
+    return_timestamps: bool = False,
+    session_options: Any = None,
+) -> np.ndarray:
+    """Generate with the encoder and decoder files of an :func:`export_seq2seq` folder, in ONNX
+    Runtime on the CPU (see :func:`onnxport.llm.generate`, which calls this for such a folder)."""
+    from ..runtime import make_session
+
+    path = Path(os.fspath(folder))
+    info, generation, config = folder_info(path)
+    audio = bool(info["audio"])
+    if audio:
+        if input_features is None or input_ids is not None:
+            raise InvalidArgumentError(
+                f"This {info['model_type']} folder transcribes speech: give input_features (log-mel features "
+                f"[batch, {info['mel_bins']}, {info['frames']}], from its feature extractor), not input_ids."
+            )
+        if hasattr(input_features, "detach"):
+            input_features = input_features.detach().cpu().numpy()
+        source = np.asarray(input_features, dtype=np.float32)
+        expected = (info["mel_bins"], info["frames"])
+        if source.ndim == 2:
+            source = source[None]
+        if source.ndim != 3 or source.shape[1:] != expected:
+            raise InvalidArgumentError(
+                f"input_features must be [batch, {expected[0]}, {expected[1]}] log-mel features (the encoder takes "
+                f"{expected[1]} frames: pad or cut the audio to 30 s, as the feature extractor does), not {list(source.shape)}."
+            )
+        mask = None
+    else:
+        if input_ids is None or input_features is not None:
+            raise InvalidArgumentError(
+                f"This {info['model_type']} folder takes text: give input_ids (and attention_mask for padded rows), "
+                f"not input_features."
+            )
+        source = _ids(input_ids, "input_ids")
+        mask = np.ones_like(source) if attention_mask is None else _ids(attention_mask, "attention_mask")
+        if mask.shape != source.shape or not np.isin(mask, (0, 1)).all():
+            raise InvalidArgumentError(
+                f"attention_mask must be 0/1 and shaped like input_ids {list(source.shape)}, not {list(mask.shape)}."
+            )
+        if source.min() < 0 or source.max() >= info["vocab"]:
+            raise InvalidArgumentError(
+                f"input_ids holds ids outside the vocabulary [0, {info['vocab']}): {int(source.min())}…{int(source.max())}."
+            )
+    settings = Settings.from_config(
+        generation, config, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, length_penalty=length_penalty,
+        early_stopping=early_stopping, num_return_sequences=num_return_sequences,
+    )
+    encoder = make_session(path / ENCODER_FILE, session_options=session_options)
+    decoder = make_session(path / DECODER_FILE, session_options=session_options)
+    step = ort_decoder(decoder)
+    outputs = ort_encoder(encoder)(source, mask)
+    cross = outputs[1:]
+    batch = len(source)
+    if audio:
+        def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:
+            from .search import _empty_past
+
+            logits, _ = step(prompt, None, _empty_past(cross, batch), cross)
+            last = logits[:, -1]
+            return np.asarray(languages, np.int64)[last[:, languages].argmax(-1)]
+
+        prompt = speech_prompt({**config, **generation}, batch, language, task, return_timestamps, detect)
+    else:
+        prompt = np.full((batch, 1), settings.decoder_start_token_id, np.int64)
+    limit = info.get("max_target_positions")
+    if limit and settings.limit(prompt.shape[1]) > limit:
+        raise InvalidArgumentError(
+            f"The decoder prompt ({prompt.shape[1]} tokens) plus max_new_tokens is longer than the decoder's {limit} "
+            f"positions; ask for at most {limit - prompt.shape[1]} new tokens."
+        )
+    return search(step, cross, mask, prompt, settings)
