@@ -193,8 +193,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seq2seq_folder(args: argparse.Namespace) -> bool:
+    """An encoder-decoder folder that generates (by its config's architectures and --task)."""
+    from .pretrained.tasks import generates_seq2seq
+
+    config = Path(args.model) / "config.json"
+    if args.model.startswith("timm:") or not config.is_file():
+        return False
+    try:
+        architectures = json.loads(config.read_text()).get("architectures")
+    except (OSError, ValueError):
+        return False  # export_pretrained names the broken config
+    return generates_seq2seq(architectures, args.task or "auto")
+
+
+def _export_seq2seq(args: argparse.Namespace) -> int:
+    from .llm import export_seq2seq
+
+    for option, value in (("--quantize", args.quantize), ("--calibration", args.calibration),
+                          ("--target", args.target), ("--weights", args.weights)):
+        if value is not None:
+            raise UsageError(f"{option}: an encoder-decoder folder is exported in fp32 (export_seq2seq); leave it out.")
+    result = export_seq2seq(args.model, args.output, opset_version=args.opset)
+    print(result.summary())
+    return 0
+
+
 def _export_pretrained(args: argparse.Namespace) -> int:
     from .pretrained import export_pretrained
+
+    if _seq2seq_folder(args):
+        return _export_seq2seq(args)
 
     if args.quantize is not None and args.quantize not in FOLDER_QUANTIZE:
         raise UsageError(f"--quantize {args.quantize}: a folder or timm model takes {', '.join(FOLDER_QUANTIZE)}.")
@@ -238,19 +267,95 @@ def cmd_llm(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import generate
 
-    _input_file(args.file, "FILE")
+    target = Path(args.file)
+    if not target.exists():
+        raise UsageError(f"'{args.file}' does not exist; give the .onnx file export_decoder wrote or an output folder.")
+    folder = target if target.is_dir() else target.parent
+    given = [name for name, value in (("--ids", args.ids), ("--text", args.text), ("--audio", args.audio)) if value]
+    if len(given) != 1:
+        raise UsageError("Give the prompts one way: --ids (token ids), --text (tokenized with the folder's tokenizer) "
+                         "or --audio (a .wav for Whisper).")
+    seq2seq = (folder / "encoder_model.onnx").is_file()
+    options: dict[str, Any] = {}
+    if seq2seq:
+        options = {k: v for k, v in (("num_beams", args.num_beams), ("language", args.language),
+                                       ("task", args.task)) if v is not None}
+    else:
+        for option, value in (("--num-beams", args.num_beams), ("--language", args.language), ("--task", args.task)):
+            if value is not None:
+                raise UsageError(f"{option} is for an encoder-decoder folder (export_seq2seq), not a decoder file.")
+    sampling = {"do_sample": args.sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "seed": args.seed}
+    if args.audio:
+        if not seq2seq:
+            raise UsageError("--audio is for a Whisper folder export_seq2seq wrote.")
+        features = _audio_features(folder, args.audio)
+        tokens = generate(folder, input_features=features, max_new_tokens=args.max_new_tokens, **sampling, **options)
+        print("\n".join(_tokenizer(folder).batch_decode(tokens, skip_special_tokens=True)))
+        return 0
+    if args.text:
+        tokenizer = _tokenizer(folder)
+        if not seq2seq:
+            tokenizer.padding_side = "left"  # a decoder continues from each row's last column
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+        batch = tokenizer(list(args.text), return_tensors="np", padding=True)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        tokens = generate(folder if seq2seq else target, ids, mask, args.max_new_tokens, **sampling, **options)
+        if not seq2seq:
+            tokens = tokens[:, ids.shape[1]:]
+        print("\n".join(tokenizer.batch_decode(tokens, skip_special_tokens=True)))
+        return 0
     rows = [[int(t) for t in row.split(",") if t.strip()] for row in args.ids]
     if any(not row for row in rows):
         raise UsageError("--ids needs comma-separated token ids, e.g. --ids 1,15,27 (once per prompt).")
     width = max(map(len, rows))
+    if seq2seq:
+        # an encoder reads padding anywhere the mask says; the usual side is the right
+        ids = [row + [0] * (width - len(row)) for row in rows]
+        mask = [[1] * len(row) + [0] * (width - len(row)) for row in rows]
+        tokens = generate(folder, ids, mask, args.max_new_tokens, **sampling, **options)
+        for row in tokens.tolist():
+            print(",".join(map(str, row)))
+        return 0
     # prompts of different lengths are padded on the left, as the decoder expects
     ids = [[0] * (width - len(row)) + row for row in rows]
     mask = [[0] * (width - len(row)) + [1] * len(row) for row in rows]
-    tokens = generate(args.file, ids, mask, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    tokens = generate(target, ids, mask, args.max_new_tokens, **sampling)
     for row, length in zip(tokens.tolist(), map(len, rows)):
         print(",".join(map(str, row[width - length:])))
     return 0
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # transformers raises OSError, ValueError alike
+        raise UsageError(f"'{folder}' holds no tokenizer transformers can load ({type(error).__name__}); give --ids "
+                         f"instead, or export from a folder with its tokenizer files.") from error
+
+
+def _audio_features(folder: Path, audio: str) -> Any:
+    """Whisper's log-mel features of a sound file, by the folder's own feature extractor."""
+    path = _input_file(audio, "--audio")
+    try:
+        import soundfile
+    except ImportError as error:
+        raise UsageError("--audio needs soundfile (pip install soundfile).") from error
+    from transformers import AutoFeatureExtractor
+
+    try:
+        extractor = AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)
+    except Exception as error:
+        raise UsageError(f"'{folder}' holds no feature extractor (preprocessor_config.json) transformers can load "
+                         f"({type(error).__name__}); export from the folder with its processor files.") from error
+    wave, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    if rate != extractor.sampling_rate:
+        raise UsageError(f"'{audio}' is sampled at {rate} Hz and the model takes {extractor.sampling_rate} Hz; "
+                         f"resample it first (e.g. ffmpeg -i IN -ar {extractor.sampling_rate} OUT.wav).")
+    return extractor(wave.mean(axis=1), sampling_rate=rate, return_tensors="np")["input_features"]
 
 
 def cmd_qdq(args: argparse.Namespace) -> int:
@@ -409,11 +514,19 @@ def build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--group-size", type=int, default=32, help="int4/int8: input features per scale")
     llm.set_defaults(func=cmd_llm)
 
-    gen = sub.add_parser("generate", help="generate token ids with a decoder file (greedy, or seeded sampling)")
-    gen.add_argument("file", metavar="FILE.onnx")
-    gen.add_argument("--ids", action="append", required=True, metavar="IDS",
-                     help="a prompt's comma-separated token ids; once per prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen = sub.add_parser("generate", help="generate with a decoder file or an encoder-decoder folder (greedy, "
+                                          "beam search, or seeded sampling)")
+    gen.add_argument("file", metavar="FILE.onnx|OUTDIR", help="export_decoder's file, or an export_seq2seq folder")
+    gen.add_argument("--ids", action="append", metavar="IDS",
+                     help="a prompt's comma-separated token ids; once per prompt (prints token ids)")
+    gen.add_argument("--text", action="append", metavar="TEXT",
+                     help="a prompt, tokenized with the folder's tokenizer; once per prompt (prints text)")
+    gen.add_argument("--audio", metavar="FILE.wav", help="Whisper: a sound file at the model's sampling rate")
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help="default: 32 (decoder), the generation config's max_length (encoder-decoder)")
+    gen.add_argument("--num-beams", type=int, help="encoder-decoder: beam search with this many beams")
+    gen.add_argument("--language", help="Whisper: the language (default: detected from the audio)")
+    gen.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe or translate")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

@@ -70,11 +70,16 @@ ROUTED = {
     "text-generation": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
                         "a causal LM generates with a key/value cache: use export_decoder (onnxport llm FOLDER -o OUT)"),
     "text2text-generation": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-                             "encoder-decoder models (T5, BART, Marian, ...) are not exported by onnxport yet"),
+                             ("an encoder-decoder generates with an encoder and a decoder file: use export_seq2seq "
+                             "(onnxport export FOLDER -o OUT routes there)")),
     "automatic-speech-recognition (encoder-decoder)": (
         "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
-        "speech encoder-decoders (Whisper, ...) are not exported by onnxport yet; CTC models (Wav2Vec2, HuBERT) are"),
+        ("a speech encoder-decoder (Whisper) generates with an encoder and a decoder file: use export_seq2seq "
+        "(onnxport export FOLDER -o OUT routes there)")),
 }
+
+#: The tasks :func:`generates_seq2seq` sends to ``export_seq2seq`` (with ``'auto'``).
+SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition", "translation", "summarization")
 
 
 def task_names() -> list[str]:
@@ -127,3 +132,17 @@ def infer_task(architectures: Sequence[str] | None, *, vision: bool, where: str)
         f"{where} holds a {architecture}, which no task onnxport exports lists; pass task= one of: "
         f"{', '.join(task_names())}, if the model does one of them."
     )
+
+
+def generates_seq2seq(architectures: Sequence[str] | None, task: str) -> bool:
+    """Whether a folder of these ``architectures`` asked for ``task`` is an encoder-decoder that
+    generates (``export_seq2seq``'s), not one the front door's one-file tasks take."""
+    if task not in (*SEQ2SEQ_TASKS, "auto"):
+        return False
+    if task in ("text2text-generation", "translation", "summarization"):
+        return True
+    architecture = (architectures or [""])[0]
+    mappings = [ROUTED["automatic-speech-recognition (encoder-decoder)"][0]]
+    if task == "auto":
+        mappings.append(ROUTED["text2text-generation"][0])
+    return any(_listed(mapping, architecture) for mapping in mappings)

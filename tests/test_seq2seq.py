@@ -1,0 +1,298 @@
+"""export_seq2seq and generate on encoder–decoder folders: the files as promised, and the tokens
+transformers' generate picks, family by family, greedy and beam search, on batches with padding."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from onnxport.errors import InvalidArgumentError
+from onnxport.llm import export_seq2seq, generate
+
+from .seq2seq_models import FAMILIES, VOCAB, WHISPER_TOKENS, whisper
+
+
+def _source(model, rows: int = 3, length: int = 9, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts with left padding on two rows (transformers' tokenizers pad seq2seq sources on the right
+    by default; left padding is the harder case for positions, and generate must honour the mask either way)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(10, VOCAB, (rows, length))
+    mask = np.ones_like(ids)
+    pad = model.config.pad_token_id
+    mask[1, :3], ids[1, :3] = 0, pad
+    mask[2, -2:], ids[2, -2:] = 0, pad  # right padding too
+    return ids, mask
+
+
+def _transformers(model, ids, mask, **kwargs) -> np.ndarray:
+    with torch.no_grad():
+        return model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **kwargs).numpy()
+
+
+SEARCHES = [
+    {"max_new_tokens": 12},
+    {"max_new_tokens": 12, "num_beams": 3},
+    {"max_new_tokens": 10, "num_beams": 4, "length_penalty": 2.0, "early_stopping": True},
+    {"max_new_tokens": 10, "num_beams": 3, "num_return_sequences": 2, "early_stopping": "never", "length_penalty": 0.5},
+]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    made: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in made:
+            model = FAMILIES[family]()
+            folder = tmp_path_factory.mktemp(family) / "onnx"
+            made[family] = model, export_seq2seq(model, folder)
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_files_generate_what_transformers_generates(family, exported):
+    model, result = exported(family)
+    assert result.token_agreement == 1.0 and result.agreement and result.encoder_agreement
+    ids, mask = _source(model)
+    ended_early = False
+    for search in SEARCHES:
+        expected = _transformers(model, ids, mask, **search)
+        got = generate(result.folder, ids, mask, **search)
+        assert got.shape == expected.shape and np.array_equal(got, expected), (search, got, expected)
+        ended_early |= bool((got[:, 1:-1] == model.config.eos_token_id).any())
+    # the searches are not vacuous: some rows end before the limit
+    assert ended_early
+    # forced language tokens (mBART, M2M100) come right after the start token
+    forced = model.generation_config.forced_bos_token_id
+    if forced is not None:
+        assert (generate(result.folder, ids, mask, max_new_tokens=3)[:, 1] == forced).all()
+
+
+def test_the_files_are_one_encoder_and_one_decoder_with_a_growing_cache(exported):
+    model, result = exported("t5-v1.1")
+    layers = model.config.num_decoder_layers
+    encoder = onnx.load(str(result.encoder))
+    decoder = onnx.load(str(result.decoder))
+    onnx.checker.check_model(encoder, full_check=True)
+    onnx.checker.check_model(decoder, full_check=True)
+    assert [i.name for i in encoder.graph.input] == ["input_ids", "attention_mask"]
+    assert [o.name for o in encoder.graph.output] == ["last_hidden_state"] + [
+        f"present.{i}.encoder.{k}" for i in range(layers) for k in ("key", "value")]
+    names = [i.name for i in decoder.graph.input]
+    assert names[:2] == ["input_ids", "encoder_attention_mask"]
+    assert names[2:6] == ["past_key_values.0.decoder.key", "past_key_values.0.decoder.value",
+                          "past_key_values.0.encoder.key", "past_key_values.0.encoder.value"]
+    assert len(names) == 2 + 4 * layers
+    assert [o.name for o in decoder.graph.output] == ["logits"] + [
+        f"present.{i}.decoder.{k}" for i in range(layers) for k in ("key", "value")]
+    # one graph for every step: no If holding two, and the cache lengths are symbolic
+    assert not any(n.op_type == "If" for n in decoder.graph.node)
+    past = decoder.graph.input[2].type.tensor_type.shape.dim
+    assert past[2].dim_param == "past_sequence" and past[0].dim_param == "batch"
+    cross = decoder.graph.input[4].type.tensor_type.shape.dim
+    assert cross[2].dim_param == "source"
+    # the encoder file holds no decoder self-attention or head weights (computed once, then dead)
+    head = model.lm_head.weight.detach().numpy()
+    assert not any(np.array_equal(onnx.numpy_helper.to_array(t), head) for t in encoder.graph.initializer)
+    folder = result.folder
+    assert json.loads((folder / "generation_config.json").read_text())["decoder_start_token_id"] == 0
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "t5"
+    assert "t5" in result.summary() and "100.0%" in result.summary()
+
+
+def test_sampling_is_seeded(exported):
+    model, result = exported("bart")
+    ids, mask = _source(model)
+    first = generate(result.folder, ids, mask, max_new_tokens=8, do_sample=True, top_k=20, seed=4)
+    again = generate(result.folder, ids, mask, max_new_tokens=8, do_sample=True, top_k=20, seed=4)
+    other = generate(result.folder, ids, mask, max_new_tokens=8, do_sample=True, top_k=20, seed=5)
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    greedy = generate(result.folder, ids, mask, max_new_tokens=8)
+    assert not np.array_equal(first, greedy)
+
+
+@pytest.fixture(scope="module")
+def whisper_files(tmp_path_factory):
+    model = whisper()
+    return model, export_seq2seq(model, tmp_path_factory.mktemp("whisper") / "onnx")
+
+
+def _features(rows: int = 3) -> np.ndarray:
+    return torch.randn(rows, 16, 200, generator=torch.Generator().manual_seed(5)).numpy()
+
+
+def _text_tokens(row: np.ndarray, prompt: int) -> list[int]:
+    """What WhisperForConditionalGeneration.generate returns for a row: the text tokens only (the
+    prompt, the end token and the padding after it stripped)."""
+    tokens = row[prompt:].tolist()
+    if WHISPER_TOKENS["eos"] in tokens:
+        tokens = tokens[:tokens.index(WHISPER_TOKENS["eos"])]
+    return tokens
+
+
+@pytest.mark.parametrize("options", [{"language": "de"}, {"language": "en", "task": "translate"}, {},
+                                     {"language": "de", "num_beams": 3}])
+def test_whisper_from_features_generates_what_transformers_generates(whisper_files, options):
+    from transformers.generation.utils import GenerationMixin
+
+    model, result = whisper_files
+    assert result.token_agreement == 1.0 and result.shape.frames == 200
+    features = _features()
+    got = generate(result.folder, input_features=features, max_new_tokens=20, **options)
+    t = WHISPER_TOKENS
+    assert (got[:, 0] == t["start"]).all() and (got[:, 3] == t["no_timestamps"]).all()
+    assert (got[:, 2] == t["translate" if options.get("task") == "translate" else "transcribe"]).all()
+    if "language" in options:
+        assert (got[:, 1] == t[options["language"]]).all()
+    else:  # detected as transformers detects it
+        with torch.no_grad():
+            detected = model.detect_language(input_features=torch.from_numpy(features)).numpy().ravel()
+        assert got[:, 1].tolist() == detected.tolist()
+    with torch.no_grad():
+        # the same search from the same prompt, by transformers' generic generate ...
+        plain = GenerationMixin.generate(model, torch.from_numpy(features), decoder_input_ids=torch.from_numpy(got[:, :4]),
+                                         max_new_tokens=20, num_beams=options.get("num_beams", 1)).numpy()
+        # ... and by Whisper's own, which returns the text tokens only
+        whispered = model.generate(input_features=torch.from_numpy(features), max_new_tokens=20,
+                                   **{**options, "language": options.get("language") or "en"}).numpy()
+    assert np.array_equal(got, plain)
+    if "language" in options:
+        for row, theirs in zip(got, whispered):
+            assert _text_tokens(row, 4) == [x for x in theirs.tolist() if x != t["pad"]]
+
+
+def test_english_only_whisper_takes_no_language(tmp_path):
+    model = whisper(multilingual=False)
+    result = export_seq2seq(model, tmp_path / "onnx")
+    got = generate(result.folder, input_features=_features(2), max_new_tokens=6)
+    assert (got[:, :2] == [WHISPER_TOKENS["start"], WHISPER_TOKENS["no_timestamps"]]).all()
+    with pytest.raises(InvalidArgumentError, match="English-only"):
+        generate(result.folder, input_features=_features(2), language="de")
+
+
+def test_bad_input_is_named_and_nothing_is_written(tmp_path, exported):
+    import transformers
+
+    out = tmp_path / "out"
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(InvalidArgumentError, match="decoder-only.*export_decoder"):
+        export_seq2seq(llama, out)
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(InvalidArgumentError, match="not an encoder-decoder"):
+        export_seq2seq(bert, out)
+    bart = FAMILIES["bart"]()
+    with pytest.raises(InvalidArgumentError, match="folder"):
+        export_seq2seq(bart, tmp_path / "model.onnx")
+    with pytest.raises(InvalidArgumentError, match="precision"):
+        export_seq2seq(bart, out, precision="int3")
+    with pytest.raises(InvalidArgumentError, match="config.json"):
+        export_seq2seq(tmp_path, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    model, result = exported("bart")
+    ids, mask = _source(model)
+    with pytest.raises(InvalidArgumentError, match="input_features"):
+        generate(result.folder, input_features=np.zeros((1, 16, 200), np.float32))
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        generate(result.folder, ids + 1000)
+    with pytest.raises(InvalidArgumentError, match="num_return_sequences"):
+        generate(result.folder, ids, mask, num_beams=2, num_return_sequences=3)
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        generate(result.folder, ids, mask, max_new_tokens=100)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "encoder_model.onnx").write_bytes(result.encoder.read_bytes())
+    with pytest.raises(InvalidArgumentError, match="decoder_model.onnx"):
+        generate(empty, ids)
+
+
+def test_the_model_given_is_not_changed(exported):
+    model, _ = exported("marian")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forward = model.forward
+    export_seq2seq(model, _tmp_out(model))
+    assert model.forward == forward and not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _tmp_out(model):
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp()) / "again"
+
+
+def _word_tokenizer(folder, special: dict[str, int], prompt: tuple[int, ...] = ()):
+    """A word-level tokenizer over the small vocabulary: ``w{i}`` for id i, the model's special
+    tokens named, and ``prompt`` ids (Whisper's language and task tokens) special as a real
+    checkpoint's tokenizer marks them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = {**{f"<{name}>": index for name, index in special.items()}, **{f"<|{i}|>": i for i in prompt}}
+    vocab = {**{f"w{i}": i for i in range(VOCAB) if i not in names.values()}, **names}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w3",
+                                        additional_special_tokens=[f"<|{i}|>" for i in prompt],
+                                        **{f"{name}_token": f"<{name}>" for name in special})
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def test_cli_exports_text_and_speech_folders_and_generates_text(tmp_path, capsys):
+    import soundfile
+    from transformers import WhisperFeatureExtractor
+
+    from onnxport.cli import main
+
+    bart = FAMILIES["bart"]()
+    source = tmp_path / "bart"
+    bart.save_pretrained(source)
+    tokenizer = _word_tokenizer(source, {"pad": 1, "eos": 2})
+    out = tmp_path / "bart-onnx"
+    assert main(["export", str(source), "-o", str(out)]) == 0
+    assert "100.0%" in capsys.readouterr().out
+    assert (out / "tokenizer.json").is_file() and (out / "encoder_model.onnx").is_file()
+    assert main(["generate", str(out), "--text", "w11 w12 w13 w14", "--text", "w50 w51", "--max-new-tokens", "6",
+                 "--num-beams", "2"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    batch = tokenizer(["w11 w12 w13 w14", "w50 w51"], return_tensors="np", padding=True)
+    expected = _transformers(bart, batch["input_ids"], batch["attention_mask"], max_new_tokens=6, num_beams=2)
+    assert printed == tokenizer.batch_decode(expected, skip_special_tokens=True)
+    assert main(["generate", str(out), "--ids", "11,12,13", "--max-new-tokens", "4"]) == 0
+    ids = np.array([[11, 12, 13]])
+    assert capsys.readouterr().out.split() == [",".join(map(str, _transformers(bart, ids, np.ones_like(ids),
+                                                                                  max_new_tokens=4)[0]))]
+
+    speech = whisper()
+    source = tmp_path / "whisper"
+    speech.save_pretrained(source)
+    extractor = WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, n_samples=32000, chunk_length=2, hop_length=160)
+    extractor.save_pretrained(source)
+    t = WHISPER_TOKENS
+    tokenizer = _word_tokenizer(source, {"pad": t["pad"], "eos": t["eos"]},
+                                prompt=(t["start"], t["en"], t["de"], t["translate"], t["transcribe"], t["no_timestamps"]))
+    out = tmp_path / "whisper-onnx"
+    assert main(["export", str(source), "-o", str(out), "--task", "automatic-speech-recognition"]) == 0
+    capsys.readouterr()
+    wave = np.sin(np.arange(24000) / 7.0).astype(np.float32) * 0.3
+    soundfile.write(tmp_path / "clip.wav", wave, 16000)
+    assert main(["generate", str(out), "--audio", str(tmp_path / "clip.wav"), "--language", "de",
+                 "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out.strip()
+    features = extractor(wave, sampling_rate=16000, return_tensors="np")["input_features"]
+    with torch.no_grad():
+        theirs = speech.generate(input_features=torch.from_numpy(features), language="de", max_new_tokens=8)
+    assert printed == tokenizer.batch_decode(theirs, skip_special_tokens=True)[0]
+    soundfile.write(tmp_path / "clip8k.wav", wave, 8000)
+    assert main(["generate", str(out), "--audio", str(tmp_path / "clip8k.wav")]) == 2
+    assert "16000 Hz" in capsys.readouterr().err
