@@ -296,3 +296,65 @@ def test_cli_exports_text_and_speech_folders_and_generates_text(tmp_path, capsys
     soundfile.write(tmp_path / "clip8k.wav", wave, 8000)
     assert main(["generate", str(out), "--audio", str(tmp_path / "clip8k.wav")]) == 2
     assert "16000 Hz" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_bart():
+    """A small BART trained for a few seconds to reverse six tokens: its greedy tokens carry
+    meaning, so a quantized file's agreement with them is a fair measure."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=48, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0)
+    model = BartForConditionalGeneration(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        source = torch.randint(10, 48, (64, 6), generator=generator)
+        target = torch.cat([source.flip(1), torch.full((64, 1), 2)], 1)
+        loss = model(input_ids=source, labels=target).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    source = torch.randint(10, 48, (16, 6), generator=generator).numpy()
+    expected = _transformers(model, source, np.ones_like(source), max_new_tokens=8)
+    assert (expected[:, 1:7] == source[:, ::-1]).mean() > 0.95  # it learnt the task
+    return model, source, expected
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, precision, tmp_path):
+    from onnxport.exporters.weight_only import file_weights
+
+    model, source, expected = trained_bart
+    result = export_seq2seq(model, tmp_path / "onnx", precision=precision, group_size=32)
+    assert result.agreement and result.encoder_agreement
+    # every Linear of the encoder, the decoder and the cross-attention is stored as torchao's
+    # integers, once, in the file that reads it; the head tied to the embeddings stays float
+    stored = {**file_weights(result.encoder), **file_weights(result.decoder)}
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert set(stored) == linears
+    assert all(w["dtype"] == (onnx.TensorProto.INT4 if precision == "int4" else onnx.TensorProto.INT8)
+               for w in stored.values())
+    assert not set(file_weights(result.encoder)) & set(file_weights(result.decoder))
+    got = generate(result.folder, source, np.ones_like(source), max_new_tokens=8)
+    assert got.shape == expected.shape and (got == expected).mean() >= 0.9
+
+
+def test_fp16_whisper_generates_what_the_half_model_generates(tmp_path):
+    from transformers.generation.utils import GenerationMixin
+
+    model = whisper()
+    result = export_seq2seq(model, tmp_path / "onnx", precision="fp16")
+    encoder = onnx.load(str(result.encoder), load_external_data=False)
+    assert encoder.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the model given is left in float32
+    features = _features(2)
+    got = generate(result.folder, input_features=features, max_new_tokens=10, language="de")
+    with torch.no_grad():
+        half = GenerationMixin.generate(model.half(), torch.from_numpy(features).half(),
+                                        decoder_input_ids=torch.from_numpy(got[:, :4]), max_new_tokens=10).numpy()
+    assert got.shape == half.shape and (got == half).mean() >= 0.9

@@ -176,6 +176,12 @@ class _MatMulStandIn(torch.nn.Module):
         self.register_buffer("weight_t", _placeholder((in_features, out_features), tag), persistent=False)
         self.bias = bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as model code reads it (T5 reads its dtype to cast to); the graph must read
+        ``weight_t`` alone, and a graph reading this too is refused by name when written."""
+        return self.weight_t.t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias

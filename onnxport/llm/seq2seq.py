@@ -17,7 +17,15 @@ import numpy as np
 import torch
 
 from .._core.torch_helpers import eval_mode
-from ..compare import Report, RunResults, ScaledAllclose, WithinFloatFloor, compare_runs, relative_distance
+from ..compare import (
+    CosineAtLeast,
+    Report,
+    RunResults,
+    ScaledAllclose,
+    WithinFloatFloor,
+    compare_runs,
+    relative_distance,
+)
 from ..compare.exported import FLOAT64_ERRORS, FLOAT_FLOOR_MULTIPLE, float64_copy, float64_failure, nonfinite_reason
 from ..engine import validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError, WeakerCheckWarning, check_choice
@@ -38,10 +46,15 @@ from .seq2seq_model import (
     start_token,
 )
 
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 FLAVOURS = ("portable",)
 #: The oldest opset the exporter writes, read by every ONNX Runtime since 1.14.
 DEFAULT_OPSET = 18
+#: int4/int8: DequantizeLinear with int4 and block_size is new in opset 21.
+WEIGHT_ONLY_OPSET = 21
+#: fp16 files against ``model.half()``, int4/int8 against the torchao model they store: ONNX
+#: Runtime computes that model's arithmetic in another order (export_decoder's bound).
+QUANTIZED_COSINE = 0.9999
 #: New tokens the proof decodes (teacher-forced: the model's greedy tokens fed to both).
 PROOF_TOKENS = 8
 #: Where the model's float floor cannot be measured, the files are held to this.
@@ -223,8 +236,9 @@ def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof) -> 
 
 
 def _compare(names: list[str], got: list[np.ndarray], ref: list[np.ndarray], floors: dict[str, float] | None,
-             level: str) -> Report:
-    strategy: Any = WithinFloatFloor(FLOAT_FLOOR_MULTIPLE) if floors is not None else FP32_TOLERANCE
+             level: str, precision: str) -> Report:
+    strategy: Any = (WithinFloatFloor(FLOAT_FLOOR_MULTIPLE) if floors is not None
+                     else CosineAtLeast(QUANTIZED_COSINE) if precision != "fp32" else FP32_TOLERANCE)
     runner = "the PyTorch model" + (" in float64" if floors is not None else "")
     return compare_runs(RunResults(f"the files (ONNX Runtime, {level})", dict(zip(names, got)), 2),
                         RunResults(runner, dict(zip(names, ref)), 2), strategy, float_floors=floors)
@@ -252,6 +266,7 @@ def export_seq2seq(
     *,
     precision: str = "fp32",
     flavour: str = "portable",
+    group_size: int = 32,
     opset_version: int | None = None,
 ) -> Seq2SeqFiles:
     """Export a transformers encoder–decoder to an encoder file and one decoder file with its cache.
@@ -272,19 +287,26 @@ def export_seq2seq(
 
     Args:
         source: a transformers model (``AutoModelForSeq2SeqLM``, ``AutoModelForSpeechSeq2Seq``) or
-            the folder ``save_pretrained`` wrote (loaded in float32; nothing is downloaded).
+            the folder ``save_pretrained`` wrote (loaded in float32; nothing is downloaded). A
+            model given is never changed.
         output_dir: the folder to write; it holds complete, proven files or is left as it was.
-        precision: ``'fp32'``.
+        precision: ``'fp32'``; ``'fp16'``: the model in float16 (weights, caches, logits), held to
+            ``model.half()``; ``'int4'``/``'int8'``: every Linear's weights as torchao's integers
+            (symmetric, ``group_size`` input features per scale) in ``DequantizeLinear``, which ONNX
+            Runtime runs as ``MatMulNBits``, held to the torchao model; embeddings stay float.
         flavour: ``'portable'``: standard ONNX operators at ``opset_version``.
-        opset_version: the default-domain opset, 18 (the default) or later.
+        group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
+        opset_version: the default-domain opset: 18 or later (default 18); int4/int8 21 or later
+            (default 21: int4 and blocked scales are new there).
 
     Returns:
         A :class:`Seq2SeqFiles`. The proof: two sources (one left-padded; speech: two clips) are
         encoded by the encoder file and decoded for 8 greedy tokens by the decoder file, fed the
-        model's tokens; the encoder's outputs and every step's logits must lie within the model's
-        own float floor (its float64 run the reference, at most 8 times its float32 run's distance
-        from it) at ONNX Runtime's unoptimised level; the default level's figures and token
-        agreement are reported.
+        model's tokens, at ONNX Runtime's unoptimised level: fp32's encoder outputs and every
+        step's logits must lie within the model's own float floor (its float64 run the reference,
+        at most 8 times its float32 run's distance from it); fp16's and int4/int8's must reach
+        cosine 0.9999 with the half or torchao model's, and int4/int8 files' integers must be
+        torchao's. The default level's figures and token agreement are reported.
     """
     from tqdm.auto import tqdm
 
@@ -292,90 +314,166 @@ def export_seq2seq(
 
     check_choice(precision, PRECISIONS, "precision")
     check_choice(flavour, FLAVOURS, "flavour")
-    opset = validate_opset(DEFAULT_OPSET if opset_version is None else opset_version, lowest=DEFAULT_OPSET,
-                           why=f"export_seq2seq writes opset {DEFAULT_OPSET} or later.")
+    lowest = WEIGHT_ONLY_OPSET if precision in ("int4", "int8") else DEFAULT_OPSET
+    opset = validate_opset(lowest if opset_version is None else opset_version, lowest=lowest,
+                           why=f"precision={precision!r} is written at opset {lowest} or later"
+                           + (" (int4 and blocked scales are new in opset 21)." if lowest > DEFAULT_OPSET else "."))
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InvalidArgumentError(f"group_size must be a positive integer, not {group_size!r}.")
     folder = _output_dir(output_dir)
     model = load_seq2seq(source)
     source_folder = Path(source) if isinstance(source, (str, os.PathLike)) else None
     name = type(model).__name__
     with eval_mode(model), tqdm(total=4, desc="export_seq2seq", leave=False, disable=None) as bar:
         start = start_token(model)
-        shape = seq2seq_shape(model)
-        proof = _reference(model, shape, start)
-        why = _float_floor(model, shape, start, proof)
-        if why is not None:
-            warnings.warn(
-                f"export_seq2seq cannot measure {name}'s float floor: {why}. The files are held to a fixed "
-                f"tolerance instead ({FP32_TOLERANCE.describe()}).",
-                WeakerCheckWarning,
-                stacklevel=2,
-            )
+        job = _prepare(model, precision, group_size, start, opset, folder, flavour, loaded=source_folder is not None)
+        if precision == "fp32":
+            why = _float_floor(model, job.shape, start, job.proof)
+            if why is not None:
+                warnings.warn(
+                    f"export_seq2seq cannot measure {name}'s float floor: {why}. The files are held to a fixed "
+                    f"tolerance instead ({FP32_TOLERANCE.describe()}).",
+                    WeakerCheckWarning,
+                    stacklevel=2,
+                )
         bar.update()
-        result = Seq2SeqFiles(folder, folder / ENCODER_FILE, folder / DECODER_FILE, precision, flavour, shape)
         with output_folder_stage(folder) as stage:
-            _write_encoder(model, shape, start, opset, proof, stage / ENCODER_FILE, result)
+            _write_encoder(job, stage / ENCODER_FILE)
             bar.update()
-            _write_decoder(model, shape, start, opset, proof, stage, result, name)
+            _write_decoder(job, stage, name)
             bar.update()
             _write_companions(model, stage, source_folder)
         bar.update()
-    return result
+    return job.result
 
 
-def _record(shape: Seq2SeqShape, precision: str, flavour: str) -> dict[str, str]:
-    return {METADATA_KEY: json.dumps({**dataclasses.asdict(shape), "precision": precision, "flavour": flavour})}
+@dataclass
+class _Job:
+    """What both files' writes need: the model the graphs are captured from, the one the proof
+    holds them to, the quantized weights (int4/int8), and the proof's references."""
+
+    export_model: Any
+    reference_model: Any
+    weights: list
+    shape: Seq2SeqShape
+    start: int
+    opset: int
+    proof: _Proof
+    result: Seq2SeqFiles
 
 
-def _steps() -> list:
-    from .export import decoder_steps
+def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int, folder: Path, flavour: str,
+             *, loaded: bool) -> _Job:
+    """The models of ``precision`` (the given model is never changed) and the proof's references."""
+    weights: list = []
+    reference = export = model
+    if precision == "fp16":
+        from .export import _half_copy
 
-    return decoder_steps([])
+        # loaded here, so nobody else holds it: halved in place, no float32 copy beside it
+        reference = export = model.half() if loaded else _half_copy(model)
+    elif precision in ("int4", "int8"):
+        from ..exporters.weight_only import export_copy, quantized_weights
+        from ..quantize.weight_only import quantize_weight_only
+
+        # a head tied to the embeddings stays float with them: one weight, read by a Gather and a
+        # MatMul (quantized, the embedding lookups would dequantize the whole table at each step)
+        head = model.get_output_embeddings()
+        tied = head.weight is model.get_input_embeddings().weight
+        reference = quantize_weight_only(
+            model, f"{precision}_weight_only", group_size=group_size, symmetric=True, embeddings=False,
+            leave_float=frozenset(n for n, m in model.named_modules() if m is head) if tied else frozenset())
+        weights = quantized_weights(reference)
+        export = export_copy(reference, weights)
+    reference.eval()
+    export.eval()
+    shape = seq2seq_shape(reference)
+    if precision == "fp16":
+        shape = dataclasses.replace(shape, cache_dtype="float16")
+    proof = _reference(reference, shape, start)
+    result = Seq2SeqFiles(folder, folder / ENCODER_FILE, folder / DECODER_FILE, precision, flavour, shape)
+    return _Job(export, reference, weights, shape, start, opset, proof, result)
 
 
-def _write_encoder(model: Any, shape: Seq2SeqShape, start: int, opset: int, proof: _Proof, file: Path,
-                   result: Seq2SeqFiles) -> None:
+def _record(job: _Job) -> dict[str, str]:
+    record = {**dataclasses.asdict(job.shape), "precision": job.result.precision, "flavour": job.result.flavour}
+    return {METADATA_KEY: json.dumps(record)}
+
+
+def _weight_rules(job: _Job, present: list) -> list:
+    """int4/int8: the file's integers are torchao's, for the quantized weights its graph reads
+    (``present``, filled at capture: the encoder file holds the encoder's and the cross-attention
+    projections, the decoder file the rest)."""
+    if not job.weights:
+        return []
+
+    def integers(path: Path) -> None:
+        from ..exporters.weight_only import check_weights_faithful
+
+        check_weights_faithful(path, present)
+
+    return [integers]
+
+
+def _placed(job: _Job, graph: Any, present: list) -> Any:
+    present[:] = [w for w in job.weights if w.placeholder in graph.graph.initializers]
+    return graph
+
+
+def _write_encoder(job: _Job, file: Path) -> None:
     from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
+    from .export import decoder_steps
 
+    shape, proof, result = job.shape, job.proof, job.result
     axes, _ = _axes(shape)
-    sample, mask = sample_source(model, 2, 5, seed=0)
+    sample, mask = sample_source(job.reference_model, 2, 5, seed=0)
+    if shape.audio:
+        sample = sample.to(getattr(torch, shape.cache_dtype))
     inputs = (sample,) if mask is None else (sample, mask)
     feeds = dict(zip(shape.encoder_inputs, (t.numpy() for t in inputs)))
+    present: list = []
 
     def capture() -> Any:
-        with encoder_forward(model, shape, start):
-            return torch_program(model, inputs, opset_version=opset, input_names=shape.encoder_inputs,
-                                 output_names=shape.encoder_outputs, axes=axes).model
+        with encoder_forward(job.export_model, shape, job.start):
+            return _placed(job, torch_program(job.export_model, inputs, opset_version=job.opset,
+                                              input_names=shape.encoder_inputs, output_names=shape.encoder_outputs,
+                                              axes=axes).model, present)
 
     def proven(path: Path) -> None:
         session = make_session(path, optimized=False)
         got = ort_encoder(session)(proof.source, proof.mask)
         reference = proof.wide_encoder or proof.encoder_outputs
-        result.encoder_agreement = _compare(shape.encoder_outputs, got, reference, proof.encoder_floors, "unoptimised")
+        result.encoder_agreement = _compare(shape.encoder_outputs, got, reference, proof.encoder_floors, "unoptimised",
+                                            result.precision)
         if not result.encoder_agreement:
             raise ExportRefusedError(
                 f"The encoder file does not compute what the model's encoder computes:\n{result.encoder_agreement}\n"
                 f"Nothing was kept."
             )
 
-    run_plan(ExportPlan("export_seq2seq encoder", opset, feeds, capture, _steps(), axes=axes, keep_reference=False,
-                        rules=[proven], metadata=_record(shape, result.precision, result.flavour)), file)
+    run_plan(ExportPlan("export_seq2seq encoder", job.opset, feeds, capture, decoder_steps(job.weights), axes=axes,
+                        keep_reference=False, rules=[*_weight_rules(job, present), proven],
+                        metadata=_record(job)), file)
 
 
-def _write_decoder(model: Any, shape: Seq2SeqShape, start: int, opset: int, proof: _Proof, stage: Path,
-                   result: Seq2SeqFiles, name: str) -> None:
+def _write_decoder(job: _Job, stage: Path, name: str) -> None:
     from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
+    from .export import decoder_steps
 
+    shape, proof, result = job.shape, job.proof, job.result
     _, axes = _axes(shape)
     generator = torch.Generator().manual_seed(2)
     cross = [torch.from_numpy(t) for t in proof.encoder_outputs[1:]]
-    own = [torch.randn(2, shape.heads, 4, shape.head_dim, generator=generator) for _ in cross]
+    dtype = getattr(torch, shape.cache_dtype)
+    own = [torch.randn(2, shape.heads, 4, shape.head_dim, generator=generator).to(dtype) for _ in cross]
     ids = torch.from_numpy(proof.tokens[:, :3].copy())
     mask = None if proof.mask is None else torch.from_numpy(proof.mask)
     inputs = (ids, *([] if mask is None else [mask]), *interleave(own, cross))
+    present: list = []
 
     def feeds(past: int, length: int) -> dict[str, np.ndarray]:
         values = [proof.tokens[:, past:past + length].copy(), *([] if proof.mask is None else [proof.mask]),
@@ -383,10 +481,11 @@ def _write_decoder(model: Any, shape: Seq2SeqShape, start: int, opset: int, proo
         return dict(zip(shape.decoder_inputs, values))
 
     def capture() -> Any:
-        with decoder_forward(model, shape):
+        with decoder_forward(job.export_model, shape):
             # torch.export takes every traced size to be at least 2
-            return torch_program(model, inputs, opset_version=opset, input_names=shape.decoder_inputs,
-                                 output_names=shape.decoder_outputs, axes=axes).model
+            return _placed(job, torch_program(job.export_model, inputs, opset_version=job.opset,
+                                              input_names=shape.decoder_inputs, output_names=shape.decoder_outputs,
+                                              axes=axes).model, present)
 
     def decoding(path: Path) -> None:
         encoder = ort_encoder(make_session(stage / ENCODER_FILE, optimized=False))
@@ -394,20 +493,23 @@ def _write_decoder(model: Any, shape: Seq2SeqShape, start: int, opset: int, proo
         for optimized in (False, True):
             encoded = encoder(proof.source, proof.mask)
             step = ort_decoder(make_session(path, optimized=optimized))
-            levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, start)
+            levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, job.start)
         reference = proof.wide_logits or proof.logits
         names = _step_names(len(reference))
-        result.agreement = _compare(names, levels[False][0], reference, proof.logit_floors, "unoptimised")
+        result.agreement = _compare(names, levels[False][0], reference, proof.logit_floors, "unoptimised",
+                                    result.precision)
         if not result.agreement:
             raise ExportRefusedError(
                 f"The encoder and decoder files do not generate what {name} generates:\n{result.agreement}\nNothing was kept."
             )
-        result.deployed = _compare(names, levels[True][0], reference, proof.logit_floors, "default level")
+        result.deployed = _compare(names, levels[True][0], reference, proof.logit_floors, "default level",
+                                   result.precision)
         result.token_agreement = levels[True][1]
 
-    run_plan(ExportPlan("export_seq2seq decoder", opset, feeds(0, 1), capture, _steps(), axes=axes,
-                        samples=[feeds(0, 1), feeds(3, 1), feeds(2, 3)], keep_reference=False, rules=[decoding],
-                        metadata=_record(shape, result.precision, result.flavour)), stage / DECODER_FILE)
+    run_plan(ExportPlan("export_seq2seq decoder", job.opset, feeds(0, 1), capture, decoder_steps(job.weights),
+                        axes=axes, samples=[feeds(0, 1), feeds(3, 1), feeds(2, 3)], keep_reference=False,
+                        rules=[*_weight_rules(job, present), decoding], metadata=_record(job)),
+             stage / DECODER_FILE)
 
 
 def _write_companions(model: Any, stage: Path, source_folder: Path | None) -> None:

@@ -31,9 +31,11 @@ def ort_encoder(session: Any) -> Encode:
     """The encode function of an encoder file's session."""
     names = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
+    # an fp16 speech encoder takes its features in float16
+    features = np.float16 if session.get_inputs()[0].type == "tensor(float16)" else np.float32
 
     def encode(source: np.ndarray, mask: np.ndarray | None) -> list[np.ndarray]:
-        feeds = {names[0]: source}
+        feeds = {names[0]: source.astype(features, copy=False) if np.issubdtype(source.dtype, np.floating) else source}
         if len(names) > 1:
             feeds[names[1]] = mask if mask is not None else np.ones(source.shape[:2], np.int64)
         return list(session.run(outputs, feeds))

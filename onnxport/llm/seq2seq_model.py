@@ -245,7 +245,8 @@ def sample_source(model: Any, batch: int, length: int, seed: int = 0) -> tuple[t
     kind = str(getattr(config, "model_type", ""))
     if model.main_input_name == INPUT_FEATURES:
         frames = FIXED_FRAMES[kind](config) if kind in FIXED_FRAMES else length
-        return torch.randn(batch, int(config.num_mel_bins), frames, generator=generator), None
+        features = torch.randn(batch, int(config.num_mel_bins), frames, generator=generator)
+        return features.to(next(model.parameters()).dtype), None
     vocab = int(model.get_output_embeddings().weight.shape[0])
     ids = torch.randint(0, vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, length, dtype=torch.int64)

@@ -87,7 +87,8 @@ def drop_bound_reprs(model: torch.nn.Module) -> None:
 
 
 def quantize_weight_only(
-    model: torch.nn.Module, method: str, *, group_size: int | None, symmetric: bool, embeddings: bool
+    model: torch.nn.Module, method: str, *, group_size: int | None, symmetric: bool, embeddings: bool,
+    leave_float: frozenset[str] = frozenset(),
 ) -> torch.nn.Module:
     """Return a copy of ``model`` whose Linear (and Embedding) weights are torchao int4/int8.
 
@@ -97,12 +98,13 @@ def quantize_weight_only(
         group_size: input features per scale, or ``None`` for one scale per output channel.
         symmetric: zero-points all 0 (``True``) or one zero-point per block.
         embeddings: quantize ``nn.Embedding`` weights too (grouped along the embedding width).
+        leave_float: the names of layers to leave float (a head tied to float embeddings).
     """
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_primitives import MappingType
 
-    names = _check_groups(model, group_size, embeddings)
+    names = [n for n in _check_groups(model, group_size, embeddings) if n not in leave_float]
     if not names:
         raise InvalidArgumentError(
             f"{type(model).__name__} has no nn.Linear{' or nn.Embedding' if embeddings else ''} layer, so "
