@@ -180,7 +180,8 @@ class _MatMulStandIn(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         """The weight as model code reads it (T5 reads its dtype to cast to); the graph must read
         ``weight_t`` alone, and a graph reading this too is refused by name when written."""
-        return self.weight_t.t()
+        weight_t: torch.Tensor = self.weight_t  # type: ignore[assignment]  # a buffer, typed loosely by Module
+        return weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(x, self.weight_t)
