@@ -210,11 +210,14 @@ def _seq2seq_folder(args: argparse.Namespace) -> bool:
 def _export_seq2seq(args: argparse.Namespace) -> int:
     from .llm import export_seq2seq
 
-    for option, value in (("--quantize", args.quantize), ("--calibration", args.calibration),
-                          ("--target", args.target), ("--weights", args.weights)):
+    precisions = {None: "fp32", "int4": "int4", "int8-weight-only": "int8"}
+    if args.quantize not in precisions:
+        raise UsageError(f"--quantize {args.quantize}: an encoder-decoder folder (export_seq2seq) takes int4 or "
+                         f"int8-weight-only (weight-only), or none (fp32).")
+    for option, value in (("--calibration", args.calibration), ("--target", args.target), ("--weights", args.weights)):
         if value is not None:
-            raise UsageError(f"{option}: an encoder-decoder folder is exported in fp32 (export_seq2seq); leave it out.")
-    result = export_seq2seq(args.model, args.output, opset_version=args.opset)
+            raise UsageError(f"{option}: an encoder-decoder folder (export_seq2seq) takes no {option}; leave it out.")
+    result = export_seq2seq(args.model, args.output, precision=precisions[args.quantize], opset_version=args.opset)
     print(result.summary())
     return 0
 
