@@ -363,3 +363,18 @@ def test_fp16_whisper_generates_what_the_half_model_generates(tmp_path):
         half = GenerationMixin.generate(model.half(), torch.from_numpy(features).half(),
                                         decoder_input_ids=torch.from_numpy(got[:, :4]), max_new_tokens=10).numpy()
     assert got.shape == half.shape and (got == half).mean() >= 0.9
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_ort_cpu_flavour_fuses_attention_and_generates_the_same_tokens(family, tmp_path):
+    model = FAMILIES[family]()
+    result = export_seq2seq(model, tmp_path / "onnx", flavour="ort-cpu")
+    layers = result.shape.layers
+    # self- and cross-attention of every decoder layer, and the encoder's, as MultiHeadAttention
+    assert result.fusions["decoder_model.onnx"]["MultiHeadAttention"] == 2 * layers
+    encoder_layers = model.config.num_layers if family == "t5" else model.config.encoder_layers
+    assert result.fusions["encoder_model.onnx"]["MultiHeadAttention"] == encoder_layers
+    assert "MultiHeadAttention" in result.summary()
+    ids, mask = _source(model)
+    for search in SEARCHES[:2]:
+        assert np.array_equal(generate(result.folder, ids, mask, **search), _transformers(model, ids, mask, **search))

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from .seq2seq_model import (
 )
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
-FLAVOURS = ("portable",)
+FLAVOURS = ("portable", "ort-cpu")
 #: The oldest opset the exporter writes, read by every ONNX Runtime since 1.14.
 DEFAULT_OPSET = 18
 #: int4/int8: DequantizeLinear with int4 and block_size is new in opset 21.
@@ -77,6 +77,8 @@ class Seq2SeqFiles:
             feeding it), unoptimised; ``deployed``: the same at ONNX Runtime's default level.
         token_agreement: the share of the proof's greedy tokens the files (default level) pick as
             the model does, each step fed the model's own previous token.
+        fusions: per file, the fused operators it holds, by type (``'ort-cpu'``:
+            com.microsoft MultiHeadAttention, SkipLayerNormalization, BiasGelu, …).
     """
 
     folder: Path
@@ -87,6 +89,7 @@ class Seq2SeqFiles:
     shape: Seq2SeqShape
     encoder_agreement: Report | None = None
     agreement: Report | None = None
+    fusions: dict[str, dict[str, int]] = field(default_factory=dict)
     deployed: Report | None = None
     token_agreement: float = 1.0
 
@@ -103,6 +106,9 @@ class Seq2SeqFiles:
             f"layers, {self.precision}, {self.flavour})"),
             f"  greedy tokens as the model's (default level): {self.token_agreement:.1%}",
         ]
+        for file, fused in self.fusions.items():
+            if fused:
+                lines.append(f"  {file} fused for ONNX Runtime: {', '.join(f'{k} {v}' for k, v in fused.items())}")
         for label, report in (("encoder outputs", self.encoder_agreement), ("logits, unoptimised", self.agreement),
                               ("logits, default level", self.deployed)):
             if report is not None:
@@ -294,7 +300,10 @@ def export_seq2seq(
             ``model.half()``; ``'int4'``/``'int8'``: every Linear's weights as torchao's integers
             (symmetric, ``group_size`` input features per scale) in ``DequantizeLinear``, which ONNX
             Runtime runs as ``MatMulNBits``, held to the torchao model; embeddings stay float.
-        flavour: ``'portable'``: standard ONNX operators at ``opset_version``.
+        flavour: ``'portable'``: standard ONNX operators at ``opset_version``; ``'ort-cpu'``:
+            onnxscript's fusions for ONNX Runtime's CPU (com.microsoft ``MultiHeadAttention`` for
+            self- and cross-attention, ``SkipLayerNormalization`` or its RMS form, ``BiasGelu``),
+            counted in the result's ``fusions``.
         group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
         opset_version: the default-domain opset: 18 or later (default 18); int4/int8 21 or later
             (default 21: int4 and blocked scales are new there).
@@ -400,6 +409,24 @@ def _record(job: _Job) -> dict[str, str]:
     return {METADATA_KEY: json.dumps(record)}
 
 
+def _steps(job: _Job) -> list:
+    """The graph steps: export_decoder's (torchao's integers in place, onnxslim), and for
+    'ort-cpu' onnxscript's ONNX Runtime fusions first."""
+    from ..passes.ort_fusions import OrtFusionPass
+    from .export import decoder_steps
+
+    return decoder_steps(job.weights, OrtFusionPass() if job.result.flavour == "ort-cpu" else None)
+
+
+def _fusions_of(job: _Job, file: str) -> Any:
+    def read(graph: Any) -> None:
+        from ..passes.ort_fusions import fused_ops
+
+        job.result.fusions[file] = dict(sorted(fused_ops(graph).items()))
+
+    return read
+
+
 def _weight_rules(job: _Job, present: list) -> list:
     """int4/int8: the file's integers are torchao's, for the quantized weights its graph reads
     (``present``, filled at capture: the encoder file holds the encoder's and the cross-attention
@@ -424,7 +451,6 @@ def _write_encoder(job: _Job, file: Path) -> None:
     from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
-    from .export import decoder_steps
 
     shape, proof, result = job.shape, job.proof, job.result
     axes, _ = _axes(shape)
@@ -453,8 +479,9 @@ def _write_encoder(job: _Job, file: Path) -> None:
                 f"Nothing was kept."
             )
 
-    run_plan(ExportPlan("export_seq2seq encoder", job.opset, feeds, capture, decoder_steps(job.weights), axes=axes,
+    run_plan(ExportPlan("export_seq2seq encoder", job.opset, feeds, capture, _steps(job), axes=axes,
                         keep_reference=False, rules=[*_weight_rules(job, present), proven],
+                        before_write=_fusions_of(job, ENCODER_FILE),
                         metadata=_record(job)), file)
 
 
@@ -462,7 +489,6 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
     from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
-    from .export import decoder_steps
 
     shape, proof, result = job.shape, job.proof, job.result
     _, axes = _axes(shape)
@@ -506,9 +532,10 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
                                    result.precision)
         result.token_agreement = levels[True][1]
 
-    run_plan(ExportPlan("export_seq2seq decoder", job.opset, feeds(0, 1), capture, decoder_steps(job.weights),
+    run_plan(ExportPlan("export_seq2seq decoder", job.opset, feeds(0, 1), capture, _steps(job),
                         axes=axes, samples=[feeds(0, 1), feeds(3, 1), feeds(2, 3)], keep_reference=False,
-                        rules=[*_weight_rules(job, present), decoding], metadata=_record(job)),
+                        rules=[*_weight_rules(job, present), decoding], metadata=_record(job),
+                        before_write=_fusions_of(job, DECODER_FILE)),
              stage / DECODER_FILE)
 
 
