@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo",
-              "dynamic_axes", "openvino", "sweep", "llm", "float_floor", "pretrained")
+              "dynamic_axes", "openvino", "sweep", "llm", "float_floor", "pretrained", "seq2seq")
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 

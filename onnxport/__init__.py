@@ -68,6 +68,7 @@ _EXPORTS = {
     "DecoderFile": ".llm",
     "export_seq2seq": ".llm",
     "Seq2SeqFiles": ".llm",
+    "Seq2SeqGenerator": ".llm",
 }
 
 __all__ = sorted(_EXPORTS)  # noqa: PLE0605 -- sorted() is a list; one table holds the names
@@ -98,7 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .exporters.qdq import export_qdq
     from .inspection.rules import check_target
     from .inspection.stats import QDQReport, QDQStats, qdq_report, qdq_stats
-    from .llm import DecoderFile, Seq2SeqFiles, export_decoder, export_seq2seq, generate  # type: ignore[no-redef]  # the module, shadowed by name
+    from .llm import DecoderFile, Seq2SeqFiles, Seq2SeqGenerator, export_decoder, export_seq2seq, generate  # type: ignore[no-redef]  # the module, shadowed by name
     from .pretrained import PretrainedExport, export_pretrained
     from .quantize import Quantizer, QuantSpec, precision_table, quant_spec
     from .rounding import rounding_floor

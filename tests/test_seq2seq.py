@@ -106,6 +106,19 @@ def test_the_files_are_one_encoder_and_one_decoder_with_a_growing_cache(exported
     assert "t5" in result.summary() and "100.0%" in result.summary()
 
 
+def test_a_generator_loads_the_folder_once_and_generates_the_same(exported):
+    from onnxport.llm import Seq2SeqGenerator
+
+    model, result = exported("t5")
+    generator = Seq2SeqGenerator(result.folder)
+    ids, mask = _source(model)
+    for search in SEARCHES[:2]:
+        assert np.array_equal(generator.generate(ids, mask, **search), generate(result.folder, ids, mask, **search))
+        assert np.array_equal(generate(generator, ids, mask, **search), _transformers(model, ids, mask, **search))
+    with pytest.raises(InvalidArgumentError, match="no encoder_model.onnx"):
+        Seq2SeqGenerator(result.folder.parent)
+
+
 def test_sampling_is_seeded(exported):
     model, result = exported("bart")
     ids, mask = _source(model)

@@ -176,7 +176,8 @@ def generate(
 
     Args:
         model: the ``.onnx`` file :func:`export_decoder` wrote (or its result, or the folder it
-            wrote), an ``onnxruntime.InferenceSession`` of it, or an ``export_seq2seq`` folder.
+            wrote), an ``onnxruntime.InferenceSession`` of it, an ``export_seq2seq`` folder, or a
+            :class:`~onnxport.llm.Seq2SeqGenerator` of one (its sessions made once, for many calls).
         input_ids: the prompts, ``[batch, length]`` integer ids (a list, NumPy array or tensor);
             rows of different lengths are padded on the left.
         attention_mask: 1 for real tokens, 0 for left padding (default: all ones).
@@ -194,17 +195,16 @@ def generate(
     import onnxruntime as ort
 
     from ..runtime import make_session
+    from .seq2seq_generate import Seq2SeqGenerator, generate_seq2seq
 
-    if isinstance(model, (str, os.PathLike)) and Path(model).is_dir():
-        folder = Path(model)
-        if (folder / "encoder_model.onnx").is_file() or not (folder / "model.onnx").is_file():
-            from .seq2seq_generate import generate_seq2seq
-
-            sampling = {"do_sample": do_sample or None, "temperature": temperature if do_sample else None,
-                        "top_k": top_k or None, "top_p": top_p if top_p < 1.0 else None, "seed": seed}
-            return generate_seq2seq(folder, input_ids=input_ids, attention_mask=attention_mask,
-                                    max_new_tokens=max_new_tokens, session_options=session_options,
-                                    **sampling, **seq2seq)
+    folder = Path(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
+    if isinstance(model, Seq2SeqGenerator) or (folder is not None and (
+            (folder / "encoder_model.onnx").is_file() or not (folder / "model.onnx").is_file())):
+        sampling = {"do_sample": do_sample or None, "temperature": temperature if do_sample else None,
+                    "top_k": top_k or None, "top_p": top_p if top_p < 1.0 else None, "seed": seed}
+        return generate_seq2seq(model, input_ids=input_ids, attention_mask=attention_mask,
+                                max_new_tokens=max_new_tokens, session_options=session_options, **sampling, **seq2seq)
+    if folder is not None:
         model = folder / "model.onnx"
     if seq2seq:
         raise InvalidArgumentError(

@@ -61,23 +61,17 @@ def ort_decoder(session: Any) -> DecoderStep:
     return step
 
 
-def folder_info(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(what the exporter recorded, generation_config.json, config.json) of an output folder, or an
-    error naming the file that is missing."""
+def _check_folder(folder: Path) -> None:
     for name in (ENCODER_FILE, DECODER_FILE):
         if not (folder / name).is_file():
             raise InvalidArgumentError(
                 f"'{folder}' has no {name}, so it is not a folder export_seq2seq wrote; export the model with "
                 f"export_seq2seq (onnxport export FOLDER --task text2text-generation) first."
             )
-    import onnx
 
-    meta = {p.key: p.value for p in onnx.load_model(str(folder / DECODER_FILE), load_external_data=False).metadata_props}
-    if METADATA_KEY not in meta:
-        raise InvalidArgumentError(
-            f"{folder / DECODER_FILE} carries no '{METADATA_KEY}' record, so it is not a decoder export_seq2seq wrote; "
-            f"export the model again with export_seq2seq."
-        )
+
+def _configs(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(generation_config.json, config.json) of an output folder ({} where absent)."""
     configs = []
     for name in ("generation_config.json", "config.json"):
         path = folder / name
@@ -85,7 +79,7 @@ def folder_info(folder: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str,
             configs.append(json.loads(path.read_text()) if path.is_file() else {})
         except (OSError, ValueError) as error:
             raise InvalidArgumentError(f"{path} cannot be read as JSON: {error}") from error
-    return json.loads(meta[METADATA_KEY]), configs[0], configs[1]
+    return configs[0], configs[1]
 
 
 def _ids(values: Any, argument: str) -> np.ndarray:
@@ -157,94 +151,123 @@ def speech_prompt(generation: dict[str, Any], batch: int, language: str | None, 
     return np.stack(columns, 1)
 
 
-def generate_seq2seq(
-    folder: str | os.PathLike,
-    *,
-    input_ids: Any = None,
-    attention_mask: Any = None,
-    input_features: Any = None,
-    max_new_tokens: int | None = None,
-    num_beams: int | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    length_penalty: float | None = None,
-    early_stopping: bool | str | None = None,
-    num_return_sequences: int | None = None,
-    language: str | None = None,
-    task: str | None = None,
-    return_timestamps: bool = False,
-    session_options: Any = None,
-) -> np.ndarray:
-    """Generate with the encoder and decoder files of an :func:`export_seq2seq` folder, in ONNX
-    Runtime on the CPU (see :func:`onnxport.llm.generate`, which calls this for such a folder)."""
-    from ..runtime import make_session
+class Seq2SeqGenerator:
+    """An :func:`export_seq2seq` folder loaded once for generating many times: its two ONNX Runtime
+    sessions, the exporter's record and the generation config (as Optimum's ``ORTModelForSeq2SeqLM``
+    holds its sessions). ``generate(folder, ...)`` builds one per call; hold one to skip that.
 
-    path = Path(os.fspath(folder))
-    info, generation, config = folder_info(path)
-    audio = bool(info["audio"])
-    if audio:
-        if input_features is None or input_ids is not None:
+    Args:
+        folder: the folder export_seq2seq wrote.
+        session_options: ``onnxruntime.SessionOptions`` for both sessions (default: ORT's).
+    """
+
+    def __init__(self, folder: str | os.PathLike, session_options: Any = None) -> None:
+        from ..runtime import make_session
+
+        self.folder = Path(os.fspath(folder))
+        _check_folder(self.folder)
+        self.generation, self.config = _configs(self.folder)
+        self.encoder = make_session(self.folder / ENCODER_FILE, session_options=session_options)
+        self.decoder = make_session(self.folder / DECODER_FILE, session_options=session_options)
+        meta = self.decoder.get_modelmeta().custom_metadata_map
+        if METADATA_KEY not in meta:
             raise InvalidArgumentError(
-                f"This {info['model_type']} folder transcribes speech: give input_features (log-mel features "
-                f"[batch, {info['mel_bins']}, {info['frames']}], from its feature extractor), not input_ids."
+                f"{self.folder / DECODER_FILE} carries no '{METADATA_KEY}' record, so it is not a decoder "
+                f"export_seq2seq wrote; export the model again with export_seq2seq."
             )
-        if hasattr(input_features, "detach"):
-            input_features = input_features.detach().cpu().numpy()
-        source = np.asarray(input_features, dtype=np.float32)
-        expected = (info["mel_bins"], info["frames"])
-        if source.ndim == 2:
-            source = source[None]
-        if source.ndim != 3 or source.shape[1:] != expected:
+        self.info: dict[str, Any] = json.loads(meta[METADATA_KEY])
+        self._encode = ort_encoder(self.encoder)
+        self._step = ort_decoder(self.decoder)
+
+    def generate(
+        self,
+        input_ids: Any = None,
+        attention_mask: Any = None,
+        *,
+        input_features: Any = None,
+        max_new_tokens: int | None = None,
+        num_beams: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
+        num_return_sequences: int | None = None,
+        language: str | None = None,
+        task: str | None = None,
+        return_timestamps: bool = False,
+    ) -> np.ndarray:
+        """The decoder's tokens for a source batch (see :func:`onnxport.llm.generate`)."""
+        info, generation, config = self.info, self.generation, self.config
+        source, mask = self._source(input_ids, attention_mask, input_features)
+        settings = Settings.from_config(
+            generation, config, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=do_sample,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, length_penalty=length_penalty,
+            early_stopping=early_stopping, num_return_sequences=num_return_sequences,
+        )
+        step = self._step
+        cross = self._encode(source, mask)[1:]
+        batch = len(source)
+        if info["audio"]:
+            def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:
+                from .search import _empty_past
+
+                logits, _ = step(prompt, None, _empty_past(cross, batch), cross)
+                return np.asarray(languages, np.int64)[logits[:, -1][:, languages].argmax(-1)]
+
+            prompt = speech_prompt({**config, **generation}, batch, language, task, return_timestamps, detect)
+        else:
+            prompt = np.full((batch, 1), settings.decoder_start_token_id, np.int64)
+        limit = info.get("max_target_positions")
+        if limit and settings.limit(prompt.shape[1]) > limit:
             raise InvalidArgumentError(
-                f"input_features must be [batch, {expected[0]}, {expected[1]}] log-mel features (the encoder takes "
-                f"{expected[1]} frames: pad or cut the audio to 30 s, as the feature extractor does), not {list(source.shape)}."
+                f"The decoder prompt ({prompt.shape[1]} tokens) plus max_new_tokens is longer than the decoder's {limit} "
+                f"positions; ask for at most {limit - prompt.shape[1]} new tokens."
             )
-        mask = None
-    else:
+        return search(step, cross, mask, prompt, settings)
+
+    def _source(self, input_ids: Any, attention_mask: Any, input_features: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        info = self.info
+        if info["audio"]:
+            if input_features is None or input_ids is not None:
+                raise InvalidArgumentError(
+                    f"This {info['model_type']} folder transcribes speech: give input_features (log-mel features "
+                    f"[batch, {info['mel_bins']}, {info['frames']}], from its feature extractor), not input_ids."
+                )
+            if hasattr(input_features, "detach"):
+                input_features = input_features.detach().cpu().float().numpy()
+            source = np.asarray(input_features, dtype=np.float32)
+            expected = (info["mel_bins"], info["frames"])
+            if source.ndim == 2:
+                source = source[None]
+            if source.ndim != 3 or source.shape[1:] != expected:
+                raise InvalidArgumentError(
+                    f"input_features must be [batch, {expected[0]}, {expected[1]}] log-mel features (the encoder takes "
+                    f"{expected[1]} frames: pad or cut the audio as the feature extractor does), not {list(source.shape)}."
+                )
+            return source, None
         if input_ids is None or input_features is not None:
             raise InvalidArgumentError(
                 f"This {info['model_type']} folder takes text: give input_ids (and attention_mask for padded rows), "
                 f"not input_features."
             )
-        source = _ids(input_ids, "input_ids")
-        mask = np.ones_like(source) if attention_mask is None else _ids(attention_mask, "attention_mask")
-        if mask.shape != source.shape or not np.isin(mask, (0, 1)).all():
+        ids = _ids(input_ids, "input_ids")
+        mask = np.ones_like(ids) if attention_mask is None else _ids(attention_mask, "attention_mask")
+        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
             raise InvalidArgumentError(
-                f"attention_mask must be 0/1 and shaped like input_ids {list(source.shape)}, not {list(mask.shape)}."
+                f"attention_mask must be 0/1 and shaped like input_ids {list(ids.shape)}, not {list(mask.shape)}."
             )
-        if source.min() < 0 or source.max() >= info["vocab"]:
+        if ids.min() < 0 or ids.max() >= info["vocab"]:
             raise InvalidArgumentError(
-                f"input_ids holds ids outside the vocabulary [0, {info['vocab']}): {int(source.min())}…{int(source.max())}."
+                f"input_ids holds ids outside the vocabulary [0, {info['vocab']}): {int(ids.min())}…{int(ids.max())}."
             )
-    settings = Settings.from_config(
-        generation, config, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=do_sample,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, length_penalty=length_penalty,
-        early_stopping=early_stopping, num_return_sequences=num_return_sequences,
-    )
-    encoder = make_session(path / ENCODER_FILE, session_options=session_options)
-    decoder = make_session(path / DECODER_FILE, session_options=session_options)
-    step = ort_decoder(decoder)
-    outputs = ort_encoder(encoder)(source, mask)
-    cross = outputs[1:]
-    batch = len(source)
-    if audio:
-        def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:
-            from .search import _empty_past
+        return ids, mask
 
-            logits, _ = step(prompt, None, _empty_past(cross, batch), cross)
-            last = logits[:, -1]
-            return np.asarray(languages, np.int64)[last[:, languages].argmax(-1)]
 
-        prompt = speech_prompt({**config, **generation}, batch, language, task, return_timestamps, detect)
-    else:
-        prompt = np.full((batch, 1), settings.decoder_start_token_id, np.int64)
-    limit = info.get("max_target_positions")
-    if limit and settings.limit(prompt.shape[1]) > limit:
-        raise InvalidArgumentError(
-            f"The decoder prompt ({prompt.shape[1]} tokens) plus max_new_tokens is longer than the decoder's {limit} "
-            f"positions; ask for at most {limit - prompt.shape[1]} new tokens."
-        )
-    return search(step, cross, mask, prompt, settings)
+def generate_seq2seq(folder: str | os.PathLike, *, session_options: Any = None, **options: Any) -> np.ndarray:
+    """Generate with the encoder and decoder files of an :func:`export_seq2seq` folder, in ONNX
+    Runtime on the CPU (see :func:`onnxport.llm.generate`, which calls this for such a folder)."""
+    generator = folder if isinstance(folder, Seq2SeqGenerator) else Seq2SeqGenerator(folder, session_options)
+    return generator.generate(**options)
