@@ -13,7 +13,7 @@ import torch
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.llm import export_seq2seq, generate
 
-from .seq2seq_models import FAMILIES, VOCAB, WHISPER_TOKENS, whisper
+from .seq2seq_models import FAMILIES, SMALL, VOCAB, WHISPER_TOKENS, whisper
 
 
 def _source(model, rows: int = 3, length: int = 9, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -391,3 +391,22 @@ def test_ort_cpu_flavour_fuses_attention_and_generates_the_same_tokens(family, t
     ids, mask = _source(model)
     for search in SEARCHES[:2]:
         assert np.array_equal(generate(result.folder, ids, mask, **search), _transformers(model, ids, mask, **search))
+
+
+def test_a_shared_embedding_is_stored_once_in_each_file(tmp_path):
+    """BART's encoder, decoder and head share one table: each file holds it once (the head reads
+    it transposed, not as a second, folded copy). Large enough that the exporter keeps the table
+    out of onnxslim's constant folding, as it does at real sizes."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=2100, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                        decoder_start_token_id=2, **SMALL)
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(config).eval()
+    result = export_seq2seq(model, tmp_path / "onnx")
+    table = model.model.shared.weight.detach().numpy()
+    for path in (result.encoder, result.decoder):
+        graph = onnx.load(str(path)).graph
+        copies = [t.name for t in graph.initializer if sorted(t.dims) == sorted(table.shape)
+                  and np.array_equal(np.sort(onnx.numpy_helper.to_array(t), axis=None), np.sort(table, axis=None))]
+        assert len(copies) == 1, (path.name, copies)
