@@ -283,8 +283,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if seq2seq:
         options = {k: v for k, v in (("num_beams", args.num_beams), ("language", args.language),
                                        ("task", args.task)) if v is not None}
+        if args.timestamps:
+            options["return_timestamps"] = True
     else:
-        for option, value in (("--num-beams", args.num_beams), ("--language", args.language), ("--task", args.task)):
+        for option, value in (("--num-beams", args.num_beams), ("--language", args.language), ("--task", args.task),
+                              ("--timestamps", args.timestamps or None)):
             if value is not None:
                 raise UsageError(f"{option} is for an encoder-decoder folder (export_seq2seq), not a decoder file.")
     sampling = {"do_sample": args.sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
@@ -530,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-beams", type=int, help="encoder-decoder: beam search with this many beams")
     gen.add_argument("--language", help="Whisper: the language (default: detected from the audio)")
     gen.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: transcribe or translate")
+    gen.add_argument("--timestamps", action="store_true", help="Whisper: with timestamp tokens")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

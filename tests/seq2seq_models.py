@@ -79,13 +79,14 @@ WHISPER_TOKENS = {"pad": 89, "eos": 90, "start": 92, "en": 93, "de": 94, "transl
                   "no_timestamps": 99}
 
 
-def whisper(multilingual: bool = True) -> torch.nn.Module:
+def whisper(multilingual: bool = True, timestamps: int = 0) -> torch.nn.Module:
     """A small Whisper with 2 s of frames (max_source_positions 100), its generation config as a
-    multilingual checkpoint's (languages, tasks, suppressed tokens)."""
+    multilingual checkpoint's (languages, tasks, suppressed tokens); ``timestamps`` adds that many
+    timestamp tokens after no-timestamps (the vocabulary grows by them)."""
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     t = WHISPER_TOKENS
-    config = WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, max_source_positions=100, max_target_positions=64,
+    config = WhisperConfig(vocab_size=VOCAB + timestamps, num_mel_bins=16, max_source_positions=100, max_target_positions=64,
                            pad_token_id=t["pad"], bos_token_id=t["eos"], eos_token_id=t["eos"],
                            decoder_start_token_id=t["start"], init_std=0.5, **SMALL)
     torch.manual_seed(0)
@@ -93,7 +94,7 @@ def whisper(multilingual: bool = True) -> torch.nn.Module:
     model.generation_config = GenerationConfig(
         decoder_start_token_id=t["start"], eos_token_id=t["eos"], pad_token_id=t["pad"], bos_token_id=t["eos"],
         max_length=64, no_timestamps_token_id=t["no_timestamps"], suppress_tokens=[91, 97, 98],
-        begin_suppress_tokens=[t["eos"]],
+        begin_suppress_tokens=[t["eos"]], **({"max_initial_timestamp_index": 5} if timestamps else {}),
         **({"is_multilingual": True, "lang_to_id": {"<|en|>": t["en"], "<|de|>": t["de"]},
             "task_to_id": {"translate": t["translate"], "transcribe": t["transcribe"]}} if multilingual else {}))
     return model

@@ -410,3 +410,31 @@ def test_a_shared_embedding_is_stored_once_in_each_file(tmp_path):
         copies = [t.name for t in graph.initializer if sorted(t.dims) == sorted(table.shape)
                   and np.array_equal(np.sort(onnx.numpy_helper.to_array(t), axis=None), np.sort(table, axis=None))]
         assert len(copies) == 1, (path.name, copies)
+
+
+def test_whisper_with_timestamps_generates_what_transformers_generates(tmp_path):
+    model = whisper(timestamps=20)
+    result = export_seq2seq(model, tmp_path / "onnx")
+    features = _features()
+    t = WHISPER_TOKENS
+    got = generate(result.folder, input_features=features, return_timestamps=True, max_new_tokens=20, language="de")
+    # no no-timestamps token in the prompt, and the text opens with a timestamp (the ids after it)
+    assert (got[:, 3] > t["no_timestamps"]).all()
+    with torch.no_grad():
+        theirs = model.generate(input_features=torch.from_numpy(features), return_timestamps=True, max_new_tokens=20,
+                                language="de").numpy()
+    for row, expected in zip(got, theirs):
+        assert _text_tokens(row, 3) == [x for x in expected.tolist() if x != t["pad"]]
+    # beam search under the timestamp rules, against transformers' own search with its timestamp
+    # processor from the same prompt (Whisper's generate would go on to decode the audio after the
+    # last timestamp pair as a further segment)
+    from transformers.generation.logits_process import LogitsProcessorList, WhisperTimeStampLogitsProcessor
+    from transformers.generation.utils import GenerationMixin
+
+    got = generate(result.folder, input_features=features, return_timestamps=True, max_new_tokens=20, language="en",
+                   num_beams=2)
+    rules = WhisperTimeStampLogitsProcessor(model.generation_config, begin_index=3)
+    with torch.no_grad():
+        theirs = GenerationMixin.generate(model, torch.from_numpy(features), decoder_input_ids=torch.from_numpy(got[:, :3]),
+                                          max_new_tokens=20, num_beams=2, logits_processor=LogitsProcessorList([rules]))
+    assert np.array_equal(got, theirs.numpy())

@@ -59,6 +59,11 @@ class Settings:
     suppress_tokens: list[int] | None = None
     begin_suppress_tokens: list[int] | None = None
     seed: int | None = None
+    #: Whisper with timestamps: the no-timestamps token (the timestamps are the ids after it), and
+    #: how far the first timestamp may go
+    no_timestamps_token_id: int | None = None
+    timestamps: bool = False
+    max_initial_timestamp_index: int | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any], model_config: dict[str, Any] | None = None,
@@ -180,7 +185,43 @@ def process(settings: Settings, sequences: np.ndarray, scores: np.ndarray, promp
         begin = prompt_length if prompt_length > 1 or settings.forced_bos_token_id is None else prompt_length + 1
         if length == begin:
             scores[:, [t for t in settings.begin_suppress_tokens if 0 <= t < vocab]] = -np.inf
+    if settings.timestamps and settings.no_timestamps_token_id is not None:
+        _timestamp_rules(settings, sequences, scores, prompt_length)
     return scores
+
+
+def _timestamp_rules(settings: Settings, sequences: np.ndarray, scores: np.ndarray, begin: int) -> None:
+    """Whisper's timestamp grammar, in place, as transformers (after OpenAI's decoder) applies it:
+    timestamps come in pairs (two in a row are followed by text; one after text by another or the
+    end), never go back, the first token is a timestamp (no later than the initial limit), and a
+    timestamp is forced when their total probability beats every text token's."""
+    first = settings.no_timestamps_token_id + 1  # the caller checked it is set
+    end = settings.eos_token_id[0] if settings.eos_token_id else 0
+    scores[:, settings.no_timestamps_token_id] = -np.inf
+    for row, tokens in enumerate(sequences[:, begin:].tolist()):
+        last = len(tokens) >= 1 and tokens[-1] >= first
+        penultimate = len(tokens) < 2 or tokens[-2] >= first
+        if last:
+            if penultimate:
+                scores[row, first:] = -np.inf
+            else:
+                scores[row, :end] = -np.inf
+        stamps = [t for t in tokens if t >= first]
+        lowest = first
+        if stamps:
+            lowest = stamps[-1] if last and not penultimate else stamps[-1] + 1
+        scores[row, first:lowest] = -np.inf
+    if sequences.shape[1] == begin:
+        scores[:, :first] = -np.inf
+        if settings.max_initial_timestamp_index is not None:
+            scores[:, first + settings.max_initial_timestamp_index + 1:] = -np.inf
+    log_probs = _log_softmax(scores.astype(np.float32))
+    stamps_only = log_probs[:, first:]
+    top = stamps_only.max(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stamp_mass = (top + np.log(np.exp(stamps_only - np.where(np.isfinite(top), top, 0)).sum(-1, keepdims=True)))[:, 0]
+    text_best = log_probs[:, :first].max(-1)
+    scores[stamp_mass > text_best, :first] = -np.inf
 
 
 def _warp(settings: Settings, scores: np.ndarray) -> np.ndarray:

@@ -141,12 +141,11 @@ def speech_prompt(generation: dict[str, Any], batch: int, language: str | None, 
             raise InvalidArgumentError(f"task={chosen!r} is not one the model knows; give one of: {', '.join(sorted(tasks))}.")
         columns.append(np.full(batch, int(tasks[chosen]), np.int64))
     no_timestamps = generation.get("no_timestamps_token_id")
-    if return_timestamps:
+    if return_timestamps and no_timestamps is None:
         raise InvalidArgumentError(
-            "return_timestamps=True is not supported yet: onnxport's search has no Whisper timestamp rules; "
-            "generate without timestamps."
+            "return_timestamps=True needs the model's no_timestamps_token_id (its generation config names none)."
         )
-    if no_timestamps is not None:
+    if no_timestamps is not None and not return_timestamps:
         columns.append(np.full(batch, int(no_timestamps), np.int64))
     return np.stack(columns, 1)
 
@@ -218,6 +217,7 @@ class Seq2SeqGenerator:
                 return np.asarray(languages, np.int64)[logits[:, -1][:, languages].argmax(-1)]
 
             prompt = speech_prompt({**config, **generation}, batch, language, task, return_timestamps, detect)
+            settings.timestamps = return_timestamps
         else:
             prompt = np.full((batch, 1), settings.decoder_start_token_id, np.int64)
         limit = info.get("max_target_positions")
