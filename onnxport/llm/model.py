@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,32 +94,7 @@ def load_causal_lm(model_or_folder: Any, argument: str = "model_or_folder") -> t
     """A transformers causal LM as given, or loaded in float32 from a local ``save_pretrained``
     folder (nothing is downloaded). Anything else is refused, naming what it is."""
     if isinstance(model_or_folder, (str, os.PathLike)):
-        folder = Path(model_or_folder)
-        if not folder.is_dir():
-            raise InvalidArgumentError(
-                f"{argument} '{folder}' is not a folder: give a transformers model, or the folder "
-                f"save_pretrained wrote (with config.json and the weights)."
-            )
-        if not (folder / "config.json").is_file():
-            raise InvalidArgumentError(
-                f"{argument} '{folder}' has no config.json, so it is not a folder save_pretrained wrote; "
-                f"give the folder that holds config.json and the weights."
-            )
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        try:
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        except Exception as error:  # transformers raises ValueError, OSError, KeyError alike
-            raise InvalidArgumentError(f"transformers cannot read {folder / 'config.json'}: {error}") from error
-        _check_causal_config(config, f"The model in '{folder}'")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
-        except Exception as error:
-            raise DependencyError(
-                f"transformers could not load the causal LM in '{folder}': {type(error).__name__}: "
-                f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-            ) from error
-        return model.eval()
+        return load_folder(Path(model_or_folder), argument, _check_causal_config, "causal LM")
     if not isinstance(model_or_folder, torch.nn.Module):
         raise InvalidArgumentError(
             f"{argument} must be a transformers causal LM or the path of a save_pretrained folder, "
@@ -140,8 +115,39 @@ def load_causal_lm(model_or_folder: Any, argument: str = "model_or_folder") -> t
     return model_or_folder
 
 
-def _check_causal_config(config: Any, what: str) -> None:
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+def load_folder(folder: Path, argument: str, auto_class_of: Callable[[Any, str], Any], kind: str) -> torch.nn.Module:
+    """The model ``save_pretrained`` wrote in ``folder``, in float32 (nothing is downloaded), by the
+    Auto class ``auto_class_of(config, what)`` picks for its config (or refuses, naming why)."""
+    if not folder.is_dir():
+        raise InvalidArgumentError(
+            f"{argument} '{folder}' is not a folder: give a transformers model, or the folder "
+            f"save_pretrained wrote (with config.json and the weights)."
+        )
+    if not (folder / "config.json").is_file():
+        raise InvalidArgumentError(
+            f"{argument} '{folder}' has no config.json, so it is not a folder save_pretrained wrote; "
+            f"give the folder that holds config.json and the weights."
+        )
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # transformers raises ValueError, OSError, KeyError alike
+        raise InvalidArgumentError(f"transformers cannot read {folder / 'config.json'}: {error}") from error
+    auto = auto_class_of(config, f"The model in '{folder}'")
+    try:
+        model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    except Exception as error:
+        raise DependencyError(
+            f"transformers could not load the {kind} in '{folder}': {type(error).__name__}: "
+            f"{(str(error).strip().splitlines() or [''])[0]}"
+        ) from error
+    return model.eval()
+
+
+def _check_causal_config(config: Any, what: str) -> Any:
+    """The Auto class of a causal LM's config, or a refusal naming what it is."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     if getattr(config, "is_encoder_decoder", False):
         raise InvalidArgumentError(
@@ -153,6 +159,7 @@ def _check_causal_config(config: Any, what: str) -> None:
             f"{what} ({getattr(config, 'model_type', type(config).__name__)}) has no causal-LM head in "
             f"transformers (AutoModelForCausalLM does not know its config), so it cannot generate."
         )
+    return AutoModelForCausalLM
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:

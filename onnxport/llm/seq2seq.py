@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._core.io import check_output_folder
 from .._core.torch_helpers import eval_mode
 from ..compare import (
     CosineAtLeast,
     Report,
     RunResults,
-    ScaledAllclose,
     WithinFloatFloor,
     compare_runs,
     relative_distance,
@@ -29,6 +29,15 @@ from ..compare import (
 from ..compare.exported import FLOAT64_ERRORS, FLOAT_FLOOR_MULTIPLE, float64_copy, float64_failure, nonfinite_reason
 from ..engine import validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError, WeakerCheckWarning, check_choice
+from .export import (
+    DEFAULT_OPSET,
+    FLAVOURS,
+    FP32_TOLERANCE,
+    PRECISIONS,
+    PROOF_TOKENS,
+    WEIGHT_ONLY_COSINE,
+    WEIGHT_ONLY_OPSET,
+)
 from .search import DecoderStep, Settings, greedy_or_sample, interleave
 from .seq2seq_generate import Encode, ort_decoder, ort_encoder
 from .seq2seq_model import (
@@ -46,19 +55,9 @@ from .seq2seq_model import (
     start_token,
 )
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-FLAVOURS = ("portable", "ort-cpu")
-#: The oldest opset the exporter writes, read by every ONNX Runtime since 1.14.
-DEFAULT_OPSET = 18
-#: int4/int8: DequantizeLinear with int4 and block_size is new in opset 21.
-WEIGHT_ONLY_OPSET = 21
 #: fp16 files against ``model.half()``, int4/int8 against the torchao model they store: ONNX
 #: Runtime computes that model's arithmetic in another order (export_decoder's bound).
-QUANTIZED_COSINE = 0.9999
-#: New tokens the proof decodes (teacher-forced: the model's greedy tokens fed to both).
-PROOF_TOKENS = 8
-#: Where the model's float floor cannot be measured, the files are held to this.
-FP32_TOLERANCE = ScaledAllclose(rtol=1e-4, atol=1e-4)
+QUANTIZED_COSINE = WEIGHT_ONLY_COSINE
 #: save_pretrained's companions a generator needs beside the files (tokenizers, processors);
 #: config.json and generation_config.json are written from the model itself.
 COMPANION_SUFFIXES = (".json", ".model", ".spm", ".txt", ".tiktoken")
@@ -127,12 +126,7 @@ def _output_dir(output_dir: Any) -> Path:
             f"output_dir '{path}' names a .onnx file; export_seq2seq writes a folder ({ENCODER_FILE}, {DECODER_FILE} "
             f"and the model's configs): give a folder."
         )
-    if path.exists() and not path.is_dir():
-        raise InvalidArgumentError(f"output_dir '{path}' is a file; give a folder.")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise InvalidArgumentError(f"The folder above output_dir '{path}' does not exist; create '{parent}' first.")
-    return path
+    return check_output_folder(path)
 
 
 def torch_encoder(model: Any, shape: Seq2SeqShape, start: int) -> Encode:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError
+from ..errors import ExportRefusedError, InvalidArgumentError
 
 ENCODER_FILE, DECODER_FILE = "encoder_model.onnx", "decoder_model.onnx"
 #: Input and output names, as Optimum's seq2seq exports write them.
@@ -85,27 +85,9 @@ def load_seq2seq(model_or_folder: Any, argument: str = "source") -> torch.nn.Mod
     """A transformers encoder–decoder as given, or loaded in float32 from a ``save_pretrained``
     folder (nothing is downloaded); anything else is refused, naming what it is."""
     if isinstance(model_or_folder, (str, os.PathLike)):
-        folder = Path(model_or_folder)
-        if not folder.is_dir() or not (folder / "config.json").is_file():
-            raise InvalidArgumentError(
-                f"{argument} '{folder}' is not a folder save_pretrained wrote (no config.json there); give a "
-                f"transformers encoder-decoder model or its save_pretrained folder."
-            )
-        from transformers import AutoConfig
+        from .model import load_folder
 
-        try:
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        except Exception as error:  # transformers raises ValueError, OSError, KeyError alike
-            raise InvalidArgumentError(f"transformers cannot read {folder / 'config.json'}: {error}") from error
-        auto = _check_seq2seq_config(config, f"The model in '{folder}'")
-        try:
-            model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
-        except Exception as error:
-            raise DependencyError(
-                f"transformers could not load the encoder-decoder in '{folder}': {type(error).__name__}: "
-                f"{(str(error).strip().splitlines() or [''])[0]}"
-            ) from error
-        return model.eval()
+        return load_folder(Path(model_or_folder), argument, _check_seq2seq_config, "encoder-decoder")
     if not isinstance(model_or_folder, torch.nn.Module) or getattr(model_or_folder, "config", None) is None:
         raise InvalidArgumentError(
             f"{argument} must be a transformers encoder-decoder (AutoModelForSeq2SeqLM, "
