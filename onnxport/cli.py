@@ -290,7 +290,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               ("--timestamps", args.timestamps or None)):
             if value is not None:
                 raise UsageError(f"{option} is for an encoder-decoder folder (export_seq2seq), not a decoder file.")
-    sampling = {"do_sample": args.sample, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+    sampling = {"do_sample": args.sample or None, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "seed": args.seed}
     if args.audio:
         if not seq2seq:

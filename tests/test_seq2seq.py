@@ -128,6 +128,15 @@ def test_sampling_is_seeded(exported):
     assert np.array_equal(first, again) and not np.array_equal(first, other)
     greedy = generate(result.folder, ids, mask, max_new_tokens=8)
     assert not np.array_equal(first, greedy)
+    # a generation config that samples is followed by default, and do_sample=False overrides it
+    config = result.folder / "generation_config.json"
+    saved = config.read_text()
+    config.write_text(json.dumps({**json.loads(saved), "do_sample": True, "top_k": 20}))
+    try:
+        assert not np.array_equal(generate(result.folder, ids, mask, max_new_tokens=8, seed=4), greedy)
+        assert np.array_equal(generate(result.folder, ids, mask, max_new_tokens=8, do_sample=False), greedy)
+    finally:
+        config.write_text(saved)
 
 
 @pytest.fixture(scope="module")

@@ -150,7 +150,7 @@ def generate(
     attention_mask: Any = None,
     max_new_tokens: int | None = None,
     *,
-    do_sample: bool = False,
+    do_sample: bool | None = None,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -183,7 +183,9 @@ def generate(
         attention_mask: 1 for real tokens, 0 for left padding (default: all ones).
         max_new_tokens: how many tokens to add at most (a decoder file: default 32).
         do_sample: draw each token from the softmax of its logits (with ``temperature``,
-            ``top_k``, ``top_p`` and ``seed``) instead of taking the largest (greedy).
+            ``top_k``, ``top_p`` and ``seed``) instead of taking the largest (greedy); ``None``
+            (the default): greedy for a decoder file, the generation config's choice for an
+            encoder–decoder folder.
         eos_token_id, pad_token_id: the model's own (recorded in the file) unless given; ``None``
             never stops early. A row that ends continues with ``pad_token_id``.
         session_options: ``onnxruntime.SessionOptions`` for the session (default: ORT's defaults).
@@ -200,7 +202,7 @@ def generate(
     folder = Path(model) if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() else None
     if isinstance(model, Seq2SeqGenerator) or (folder is not None and (
             (folder / "encoder_model.onnx").is_file() or not (folder / "model.onnx").is_file())):
-        sampling = {"do_sample": do_sample or None, "temperature": temperature if do_sample else None,
+        sampling = {"do_sample": do_sample, "temperature": temperature if do_sample else None,
                     "top_k": top_k or None, "top_p": top_p if top_p < 1.0 else None, "seed": seed}
         return generate_seq2seq(model, input_ids=input_ids, attention_mask=attention_mask,
                                 max_new_tokens=max_new_tokens, session_options=session_options, **sampling, **seq2seq)
@@ -254,7 +256,7 @@ def generate(
     if pad is None:
         pad = eos[0] if eos else 0
     return decode(ort_step(session), ids, mask, _empty_past(session, len(ids)), max_new_tokens,
-                  _pick(do_sample, float(temperature), top_k, float(top_p), seed),
+                  _pick(bool(do_sample), float(temperature), top_k, float(top_p), seed),
                   eos_token_ids=eos, pad_token_id=int(pad))
 
 
