@@ -374,7 +374,9 @@ def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, 
 def test_fp16_whisper_generates_what_the_half_model_generates(tmp_path):
     from transformers.generation.utils import GenerationMixin
 
-    model = whisper()
+    # weights of a trained model's scale: float16's rounding then stays well inside the proof's bound
+    # on every CPU (at init_std 0.5 the logits reach cosine 0.99994 with the half model, near 0.9999)
+    model = whisper(init_std=0.2)
     result = export_seq2seq(model, tmp_path / "onnx", precision="fp16")
     encoder = onnx.load(str(result.encoder), load_external_data=False)
     assert encoder.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
