@@ -508,10 +508,10 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
                                               axes=axes).model, present)
 
     def decoding(path: Path) -> None:
-        encoder = ort_encoder(make_session(stage / ENCODER_FILE, optimized=False))
+        # the written encoder feeds the decoder at both levels (ONNX semantics for its outputs)
+        encoded = ort_encoder(make_session(stage / ENCODER_FILE, optimized=False))(proof.source, proof.mask)
         levels = {}
         for optimized in (False, True):
-            encoded = encoder(proof.source, proof.mask)
             step = ort_decoder(make_session(path, optimized=optimized))
             levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, job.start)
         reference = proof.wide_logits or proof.logits
