@@ -241,20 +241,13 @@ def test_bad_input_is_named_and_nothing_is_written(tmp_path, exported):
         generate(empty, ids)
 
 
-def test_the_model_given_is_not_changed(exported):
+def test_the_model_given_is_not_changed(exported, tmp_path):
     model, _ = exported("marian")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forward = model.forward
-    export_seq2seq(model, _tmp_out(model))
+    export_seq2seq(model, tmp_path / "again")
     assert model.forward == forward and not model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
-def _tmp_out(model):
-    import tempfile
-    from pathlib import Path
-
-    return Path(tempfile.mkdtemp()) / "again"
 
 
 def _word_tokenizer(folder, special: dict[str, int], prompt: tuple[int, ...] = ()):

@@ -174,9 +174,9 @@ class _Proof:
     logit_floors: dict[str, float] | None = None
 
 
-def _greedy(settings_start: int) -> Settings:
+def _greedy(start: int) -> Settings:
     """The proof's search: the model's own largest logit, no processors, a fixed length."""
-    return Settings(decoder_start_token_id=settings_start, max_new_tokens=PROOF_TOKENS)
+    return Settings(decoder_start_token_id=start, max_new_tokens=PROOF_TOKENS)
 
 
 def _forced(step: DecoderStep, cross: list[np.ndarray], mask: np.ndarray | None, proof: _Proof,
