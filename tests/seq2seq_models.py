@@ -79,15 +79,17 @@ WHISPER_TOKENS = {"pad": 89, "eos": 90, "start": 92, "en": 93, "de": 94, "transl
                   "no_timestamps": 99}
 
 
-def whisper(multilingual: bool = True, timestamps: int = 0, init_std: float = 0.5) -> torch.nn.Module:
+def whisper(multilingual: bool = True, timestamps: int = 0, init_std: float = 0.5,
+            source_positions: int = 100) -> torch.nn.Module:
     """A small Whisper with 2 s of frames (max_source_positions 100), its generation config as a
     multilingual checkpoint's (languages, tasks, suppressed tokens); ``timestamps`` adds that many
     timestamp tokens after no-timestamps (the vocabulary grows by them); ``init_std`` scales the
-    random weights (large ones give varied tokens, small ones activations float16 holds well)."""
+    random weights (large ones give varied tokens, small ones activations float16 holds well);
+    ``source_positions`` 1500 gives a checkpoint's 30 s of frames."""
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     t = WHISPER_TOKENS
-    config = WhisperConfig(vocab_size=VOCAB + timestamps, num_mel_bins=16, max_source_positions=100, max_target_positions=64,
+    config = WhisperConfig(vocab_size=VOCAB + timestamps, num_mel_bins=16, max_source_positions=source_positions, max_target_positions=64,
                            pad_token_id=t["pad"], bos_token_id=t["eos"], eos_token_id=t["eos"],
                            decoder_start_token_id=t["start"], init_std=init_std, **SMALL)
     torch.manual_seed(0)

@@ -198,6 +198,40 @@ def test_english_only_whisper_takes_no_language(tmp_path):
         generate(result.folder, input_features=_features(2), language="de")
 
 
+def test_whisper_at_30_seconds_gets_a_genai_config_that_names_its_files(whisper_files, tmp_path):
+    import dataclasses
+    import shutil
+
+    from onnxport.llm.seq2seq import genai_names, write_genai_config
+
+    _, short = whisper_files  # 2 s of frames: onnxruntime-genai's Whisper takes 30 s only
+    assert short.genai_config is None and not (short.folder / "genai_config.json").exists()
+    model = whisper(source_positions=1500)
+    result = export_seq2seq(model, tmp_path / "onnx")
+    assert result.genai_config == result.folder / "genai_config.json" and result.shape.frames == 3000
+    config = json.loads(result.genai_config.read_text())
+    # onnxruntime-genai binds by name and feeds only what it names: every input of both files is
+    # named, and every name is the named file's input or output
+    for file, (inputs, outputs) in genai_names(config, result.shape.layers).items():
+        graph = onnx.load(result.folder / file, load_external_data=False).graph
+        assert set(inputs) == {v.name for v in graph.input}
+        assert set(outputs) <= {v.name for v in graph.output}
+    described = config["model"]
+    assert described["type"] == "whisper" and described["vocab_size"] == VOCAB
+    assert described["decoder_start_token_id"] == WHISPER_TOKENS["start"]
+    assert described["eos_token_id"] == WHISPER_TOKENS["eos"]
+    decoder = described["decoder"]
+    assert decoder["num_hidden_layers"] == SMALL["decoder_layers"]
+    assert decoder["num_attention_heads"] * decoder["head_size"] == SMALL["d_model"]
+    assert not config["search"]["past_present_share_buffer"]  # present = past + new, not a buffer
+    # a configuration naming what the files lack is refused before it is written
+    stage = tmp_path / "stage"
+    shutil.copytree(result.folder, stage, ignore=shutil.ignore_patterns("genai_config.json"))
+    with pytest.raises(ExportRefusedError, match=r"present\.2\.encoder\.key"):
+        write_genai_config(model, dataclasses.replace(result.shape, layers=3), stage)
+    assert not (stage / "genai_config.json").exists()
+
+
 def test_bad_input_is_named_and_nothing_is_written(tmp_path, exported):
     import transformers
 

@@ -43,6 +43,10 @@ from .seq2seq_generate import Encode, ort_decoder, ort_encoder
 from .seq2seq_model import (
     DECODER_FILE,
     ENCODER_FILE,
+    INPUT_FEATURES,
+    INPUT_IDS,
+    LAST_HIDDEN_STATE,
+    LOGITS,
     METADATA_KEY,
     Seq2SeqShape,
     decoder_call,
@@ -78,6 +82,8 @@ class Seq2SeqFiles:
             the model does, each step fed the model's own previous token.
         fusions: per file, the fused operators it holds, by type (``'ort-cpu'``:
             com.microsoft MultiHeadAttention, SkipLayerNormalization, BiasGelu, …).
+        genai_config: Whisper at its 30 s of frames: the ``genai_config.json`` onnxruntime-genai
+            runs the pair with (None otherwise).
     """
 
     folder: Path
@@ -91,6 +97,7 @@ class Seq2SeqFiles:
     fusions: dict[str, dict[str, int]] = field(default_factory=dict)
     deployed: Report | None = None
     token_agreement: float = 1.0
+    genai_config: Path | None = None
 
     def __fspath__(self) -> str:
         return str(self.folder)
@@ -105,6 +112,8 @@ class Seq2SeqFiles:
             f"layers, {self.precision}, {self.flavour})"),
             f"  greedy tokens as the model's (default level): {self.token_agreement:.1%}",
         ]
+        if self.genai_config is not None:
+            lines.append(f"  onnxruntime-genai: {self.genai_config.name}")
         for file, fused in self.fusions.items():
             if fused:
                 lines.append(f"  {file} fused for ONNX Runtime: {', '.join(f'{k} {v}' for k, v in fused.items())}")
@@ -346,6 +355,9 @@ def export_seq2seq(
             _write_decoder(job, stage, name)
             bar.update()
             _write_companions(model, stage, source_folder)
+            if genai_runs(job.shape):
+                write_genai_config(model, job.shape, stage)
+                job.result.genai_config = folder / GENAI_CONFIG
         bar.update()
     return job.result
 
@@ -546,6 +558,107 @@ def _write_companions(model: Any, stage: Path, source_folder: Path | None) -> No
         if (path.is_file() and path.suffix in COMPANION_SUFFIXES and path.name not in _NOT_COMPANIONS
                 and not path.name.endswith(".index.json")):
             shutil.copyfile(path, stage / path.name)
+
+
+#: onnxruntime-genai runs Whisper at its 30 s of frames only (its audio state takes 3000).
+GENAI_WHISPER_FRAMES = 3000
+GENAI_CONFIG = "genai_config.json"
+
+
+def genai_runs(shape: Seq2SeqShape) -> bool:
+    """Whether onnxruntime-genai can run the pair: its Whisper model, at the frames it takes."""
+    return shape.model_type == "whisper" and shape.frames == GENAI_WHISPER_FRAMES
+
+
+def genai_whisper_config(model: Any, shape: Seq2SeqShape) -> dict[str, Any]:
+    """onnxruntime-genai's configuration for a Whisper pair (its keys as its model builder writes
+    them), naming the files' own inputs and outputs: the encoder's cross keys/values are its
+    cross cache, the decoder's growing cache is not a shared buffer (present = past + new)."""
+    config, generation = model.config, model.generation_config
+
+    def token(name: str) -> Any:
+        value = getattr(generation, name, None)
+        return getattr(config, name, None) if value is None else value
+
+    eos = token("eos_token_id")
+    session = {"log_id": "onnxruntime-genai", "provider_options": []}
+    max_length = int(generation.max_length or shape.max_target_positions or 448)
+    if shape.max_target_positions is not None:
+        max_length = min(max_length, shape.max_target_positions)
+    return {
+        "model": {
+            "type": "whisper",
+            "bos_token_id": token("bos_token_id"),
+            "decoder_start_token_id": token("decoder_start_token_id"),
+            "eos_token_id": eos,
+            "pad_token_id": token("pad_token_id") if token("pad_token_id") is not None else eos,
+            "vocab_size": shape.vocab,
+            "context_length": shape.max_target_positions or max_length,
+            "encoder": {
+                "session_options": session,
+                "filename": ENCODER_FILE,
+                "head_size": config.d_model // config.encoder_attention_heads,
+                "hidden_size": config.d_model,
+                "num_attention_heads": config.encoder_attention_heads,
+                "num_hidden_layers": config.encoder_layers,
+                "inputs": {"audio_features": INPUT_FEATURES},
+                "outputs": {"encoder_hidden_states": LAST_HIDDEN_STATE,
+                            "cross_present_key_names": "present.%d.encoder.key",
+                            "cross_present_value_names": "present.%d.encoder.value"},
+            },
+            "decoder": {
+                "session_options": session,
+                "filename": DECODER_FILE,
+                "head_size": shape.head_dim,
+                "hidden_size": shape.hidden,
+                "num_attention_heads": shape.heads,
+                "num_key_value_heads": shape.heads,
+                "num_hidden_layers": shape.layers,
+                "inputs": {"input_ids": INPUT_IDS,
+                           "past_key_names": "past_key_values.%d.decoder.key",
+                           "past_value_names": "past_key_values.%d.decoder.value",
+                           "cross_past_key_names": "past_key_values.%d.encoder.key",
+                           "cross_past_value_names": "past_key_values.%d.encoder.value"},
+                "outputs": {"logits": LOGITS,
+                            "present_key_names": "present.%d.decoder.key",
+                            "present_value_names": "present.%d.decoder.value"},
+            },
+        },
+        "search": {
+            "max_length": max_length, "min_length": 0, "do_sample": False, "num_beams": 1,
+            "num_return_sequences": 1, "past_present_share_buffer": False, "early_stopping": True,
+            "length_penalty": 1.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "diversity_penalty": 0.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }
+
+
+def genai_names(config: dict[str, Any], layers: int) -> dict[str, tuple[list[str], list[str]]]:
+    """Every graph name a genai configuration gives, by file: {file: (inputs, outputs)}; a
+    ``%d`` pattern stands for one name per decoder layer."""
+
+    def expand(patterns: dict[str, str]) -> list[str]:
+        return [n for p in patterns.values() for n in ([p % i for i in range(layers)] if "%d" in p else [p])]
+
+    return {section["filename"]: (expand(section["inputs"]), expand(section["outputs"]))
+            for section in (config["model"]["encoder"], config["model"]["decoder"])}
+
+
+def write_genai_config(model: Any, shape: Seq2SeqShape, stage: Path) -> None:
+    """Write ``genai_config.json`` beside the staged pair, after checking every name it gives is
+    an input or output of the file it names (onnxruntime-genai binds them by name)."""
+    import onnx
+
+    config = genai_whisper_config(model, shape)
+    for file, (inputs, outputs) in genai_names(config, shape.layers).items():
+        graph = onnx.load(stage / file, load_external_data=False).graph
+        missing = [n for n in inputs if n not in {v.name for v in graph.input}]
+        missing += [n for n in outputs if n not in {v.name for v in graph.output}]
+        if missing:
+            raise ExportRefusedError(
+                f"genai_config.json would name {', '.join(missing)}, which {file} does not have; nothing was kept."
+            )
+    (stage / GENAI_CONFIG).write_text(json.dumps(config, indent=2))
 
 
 __all__ = ["FLAVOURS", "PRECISIONS", "Seq2SeqFiles", "export_seq2seq"]
