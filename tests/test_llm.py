@@ -358,6 +358,31 @@ def _moe(family: str) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+@pytest.mark.parametrize(("family", "flavour"), [("qwen3_moe", "ort-cpu"), ("mixtral", "portable")])
+def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, flavour, tmp_path):
+    from onnxport.exporters.weight_only import file_weights, quantized_weights
+    from onnxport.quantize.weight_only import quantize_weight_only
+
+    model = _moe(family)
+    result = export_decoder(model, tmp_path / "moe.onnx", precision="int4", group_size=16, flavour=flavour)
+    assert result.agreement
+    # every expert's 3-D weight is int4 in blocks of 16 input features, read by the Gather that
+    # picks each token's experts; the proof already held the integers equal to torchao's
+    experts = {k: v for k, v in file_weights(result.path).items() if ".experts." in k}
+    torchao_model = quantize_weight_only(model, "int4_weight_only", group_size=16, symmetric=True, embeddings=False)
+    expected = {f"{w.module}.weight": w for w in quantized_weights(torchao_model) if w.kind == "experts"}
+    assert set(experts) == set(expected) and len(experts) == 2 * model.config.num_hidden_layers
+    for name, entry in experts.items():
+        assert entry["dtype"] == ir.DataType.INT4 and entry["axis"] == 2 and entry["block_size"] == 16
+        assert np.array_equal(entry["q"], expected[name].qdata) and entry["readers"] == ["GatherND"]
+    assert next(model.parameters()).dtype == torch.float32 and not hasattr(model.model.layers[0].mlp.experts,
+                                                                           "parametrizations")
+    ids, mask = _prompts(seed=5)
+    got = generate(result, ids, mask, 16, eos_token_id=None)
+    agreement = float((got[:, 7:] == _transformers_greedy(torchao_model, ids, mask, new=16)[:, 7:]).mean())
+    assert agreement >= 0.9, f"{agreement:.1%} of the int4 file's greedy tokens are the torchao model's"
+
+
 @pytest.mark.parametrize("flavour", ["portable", "ort-cpu"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_mixture_of_experts_decoders_generate_what_transformers_generates(family, flavour, tmp_path):

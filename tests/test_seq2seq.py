@@ -386,11 +386,17 @@ def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, 
     model, source, expected = trained_bart
     result = export_seq2seq(model, tmp_path / "onnx", precision=precision, group_size=32)
     assert result.agreement and result.encoder_agreement
-    # every Linear of the encoder, the decoder and the cross-attention is stored as torchao's
-    # integers, once, in the file that reads it; the head tied to the embeddings stays float
+    # every Linear of the encoder, the decoder and the cross-attention, and the head tied to the
+    # embeddings, is stored as torchao's integers, once, in the file that reads it; the lookups
+    # keep the float table, and the model given stays tied
     stored = {**file_weights(result.encoder), **file_weights(result.decoder)}
-    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
-    assert set(stored) == linears
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "lm_head.weight" in linears and set(stored) == linears
+    table = model.get_input_embeddings().weight.detach().numpy()
+    decoder = onnx.load(result.decoder)
+    assert any(i.data_type == onnx.TensorProto.FLOAT and np.array_equal(onnx.numpy_helper.to_array(i), table)
+               for i in decoder.graph.initializer)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert all(w["dtype"] == (onnx.TensorProto.INT4 if precision == "int4" else onnx.TensorProto.INT8)
                for w in stored.values())
     assert not set(file_weights(result.encoder)) & set(file_weights(result.decoder))

@@ -44,13 +44,17 @@ class QuantizedWeight:
     """One weight torchao quantized, in torchao's layout (rows are output channels or tokens).
 
     Attributes:
-        module: the layer's name in the model (``model.layers.0.mlp.up_proj``).
-        kind: ``'linear'`` (read by MatMul) or ``'embedding'`` (read by Gather).
+        module: the layer's name in the model (``model.layers.0.mlp.up_proj``); for experts, the
+            weight's (``model.layers.0.mlp.experts.gate_up_proj``).
+        kind: ``'linear'`` (read by MatMul), ``'embedding'`` (read by Gather) or ``'experts'``
+            (a mixture of experts' 3-D weight, read by the Gather that picks each token's experts).
         bits: 4 or 8.
-        qdata: the integers, int8 storage, ``[rows, width]``.
-        scale: float32 ``[rows, width / group]``.
-        zero_point: int8 ``[rows, width / group]``, or ``None`` when every zero-point is 0.
+        qdata: the integers, int8 storage, ``[rows, width]`` (experts: ``[experts, out, in]`` or
+            ``[experts, in, out]``).
+        scale: float32 ``[rows, width / group]`` (experts: the blocked axis divided by ``group``).
+        zero_point: int8, shaped as ``scale``, or ``None`` when every zero-point is 0.
         group: elements of a row per scale (``width`` for one scale per channel).
+        axis: the axis the blocks run along, in torchao's layout (1 but for experts).
     """
 
     module: str
@@ -60,14 +64,17 @@ class QuantizedWeight:
     scale: np.ndarray
     zero_point: np.ndarray | None
     group: int
+    axis: int = 1
 
     @property
     def per_channel(self) -> bool:
-        return self.group == self.qdata.shape[1]
+        return self.group == self.qdata.shape[self.axis]
 
     @property
     def placeholder(self) -> str:
         """The initializer name the exporter gives the stand-in for this weight."""
+        if self.kind == "experts":
+            return self.module
         return f"{self.module}.{'weight_t' if self.kind == 'linear' else 'weight'}"
 
     def onnx_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, int]]:
@@ -75,8 +82,13 @@ class QuantizedWeight:
 
         MatMul reads its weight as ``[in, out]``, so a Linear's tensors are transposed and its
         blocks run along axis 0; an embedding keeps torchao's ``[tokens, width]`` with blocks
-        along axis 1. One scale per channel is written per-axis (no ``block_size``).
+        along axis 1. One scale per channel is written per-axis (no ``block_size``). Experts keep
+        torchao's 3-D layout, blocked along their input features (ONNX's per-axis scales are 1-D).
         """
+        if self.kind == "experts":
+            zp = None if self.zero_point is None else np.ascontiguousarray(self.zero_point, dtype=np.int8)
+            return (np.ascontiguousarray(self.qdata, dtype=np.int8), np.ascontiguousarray(self.scale, dtype=np.float32),
+                    zp, {"axis": self.axis, "block_size": self.group})
         transpose = self.kind == "linear"
         q = self.qdata.T if transpose else self.qdata
         scale, zp = self.scale, self.zero_point
@@ -150,6 +162,34 @@ def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
             zero_point=zp if np.any(zp) else None,
             group=int(data.block_size[1]),
         ))
+    return found + _expert_weights(model)
+
+
+def _expert_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """The expert weights quantize_weight_only stored as torchao's integers (read through
+    :class:`~onnxport.quantize.weight_only.DequantizedExperts`)."""
+    from torch.nn.utils import parametrize
+
+    from ..quantize.weight_only import DequantizedExperts
+
+    found = []
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for weight, chain in module.parametrizations.items():
+            dequantize = next((p for p in chain if isinstance(p, DequantizedExperts)), None)
+            if dequantize is None:
+                continue
+            data, axis = chain.original, dequantize.axis
+            zp = data.zero_point.detach().to(torch.int8).numpy()
+            found.append(QuantizedWeight(
+                module=f"{name}.{weight}", kind="experts",
+                bits={torch.int4: 4, torch.int8: 8}[data.target_dtype],  # type: ignore[attr-defined]  # torch's stubs lack int4
+                qdata=data.qdata.detach().numpy(),
+                scale=data.scale.detach().numpy().astype(np.float32, copy=False),
+                zero_point=zp if np.any(zp) else None,
+                group=int(data.block_size[axis]), axis=axis,
+            ))
     return found
 
 
@@ -205,6 +245,12 @@ def export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch
     for tag, w in enumerate(weights, start=1):
         parent_name, _, leaf = w.module.rpartition(".")
         parent = work.get_submodule(parent_name) if parent_name else work
+        if w.kind == "experts":
+            # the experts read a plain 3-D stand-in, which the graph then dequantizes (a parameter:
+            # the exporter renames the buffers it reads through an index)
+            _unparametrize(parent)
+            parent.register_parameter(leaf, torch.nn.Parameter(_placeholder(tuple(w.qdata.shape), tag), requires_grad=False))
+            continue
         layer = getattr(parent, leaf)
         stand_in: torch.nn.Module
         if w.kind == "linear":
@@ -213,6 +259,26 @@ def export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch
             stand_in = _GatherStandIn(layer.num_embeddings, layer.embedding_dim, tag)
         setattr(parent, leaf, stand_in)
     return work
+
+
+def _unparametrize(module: torch.nn.Module) -> None:
+    """Give a copied experts module its plain class back, without its parametrizations (each of
+    its weights becomes a stand-in). torch's ``remove_parametrizations`` would delete the property
+    from the parametrized class, which the copy shares with the model it was copied from."""
+    from torch.nn.utils import parametrize
+
+    from ..quantize.weight_only import DequantizedExperts
+
+    if not parametrize.is_parametrized(module):
+        return
+    chains: Any = module._modules["parametrizations"]
+    if not all(isinstance(p, DequantizedExperts) for chain in chains.values() for p in chain):
+        raise InvalidArgumentError(
+            f"'{type(module).__name__}' carries parametrizations besides its quantized experts; remove them "
+            f"(torch.nn.utils.parametrize.remove_parametrizations) before quantizing."
+        )
+    del module._modules["parametrizations"]
+    module.__class__ = module.__class__.__bases__[0]
 
 
 def _pack_int4(values: np.ndarray) -> np.ndarray:
@@ -235,19 +301,39 @@ def _constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType 
     return value
 
 
+#: onnxscript's optimizer records on a constant it folds the values it was folded from
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+
+
+def stand_in_value(graph: ir.Graph, w: QuantizedWeight) -> ir.Value | None:
+    """The initializer the graph reads ``w`` from: its stand-in, by name. torch.onnx indexes the
+    experts' weights (``weight[expert_ids]``) through an identity Transpose, which its optimizer
+    folds into a new, renamed constant; that constant, folded from the stand-in alone and shaped
+    like it, is the stand-in (a layout it changed would fail the file's proof against the model)."""
+    value = graph.initializers.get(w.placeholder)
+    if value is not None or w.kind != "experts":
+        return value
+    for candidate in graph.initializers.values():
+        if (candidate.metadata_props.get(_FOLDED_FROM) == repr([w.placeholder])
+                and candidate.shape is not None and tuple(candidate.shape) == w.qdata.shape):
+            return candidate
+    return None
+
+
 def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None:
     """Replace each stand-in initializer by ``DequantizeLinear`` of torchao's integers (in place)."""
     graph = model.graph
     first = next(iter(graph), None)
     for w in weights:
-        stand_in = graph.initializers.get(w.placeholder)
-        reader = ("MatMul", 1) if w.kind == "linear" else ("Gather", 0)
+        stand_in = stand_in_value(graph, w)
+        readers = {("MatMul", 1)} if w.kind == "linear" else {("Gather", 0), ("GatherND", 0)}
         uses = list(stand_in.uses()) if stand_in is not None else []
-        if not uses or any((use.node.op_type, use.idx) != reader for use in uses):
+        if not uses or any((use.node.op_type, use.idx) not in readers for use in uses):
             found = ", ".join(sorted({f"{u.node.op_type} input {u.idx}" for u in uses})) or "nothing"
+            wanted = " or ".join(f"input {i} of a {op}" for op, i in sorted(readers))
             raise ExportRefusedError(
-                f"The weight of '{w.module}' should reach the exported graph as input {reader[1]} of a "
-                f"{reader[0]}, and it is read by {found}; nothing was kept."
+                f"The weight of '{w.module}' should reach the exported graph as {wanted}, and it is read by "
+                f"{found}; nothing was kept."
             )
         q, scale, zp, attrs = w.onnx_layout()
         inputs = [
@@ -260,7 +346,7 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
         output = node.outputs[0]
         output.name, output.type, output.shape = f"{w.module}.weight", ir.TensorType(ir.DataType.FLOAT), ir.Shape(q.shape)
         stand_in.replace_all_uses_with(output)
-        graph.initializers.pop(w.placeholder)
+        graph.initializers.pop(stand_in.name)
         if first is None:
             graph.append(node)
         else:
@@ -407,7 +493,7 @@ class InsertDequantizersPass(ir.passes.InPlacePass):
         self.weights = weights
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        placed = [w for w in self.weights if w.placeholder in model.graph.initializers]
+        placed = [w for w in self.weights if stand_in_value(model.graph, w) is not None]
         insert_dequantizers(model, placed)
         return ir.passes.PassResult(model, modified=bool(placed))
 

@@ -391,13 +391,14 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
         from ..exporters.weight_only import export_copy, quantized_weights
         from ..quantize.weight_only import quantize_weight_only
 
-        # a head tied to the embeddings stays float with them: one weight, read by a Gather and a
-        # MatMul (quantized, the embedding lookups would dequantize the whole table at each step)
+        # a head tied to the embeddings is quantized on its own (as onnxruntime-genai's builder
+        # does): each step reads the whole head, so its integers are the step's largest saving,
+        # while the lookups keep reading the float table (a few rows per step)
         head = model.get_output_embeddings()
         tied = head.weight is model.get_input_embeddings().weight
         reference = quantize_weight_only(
             model, f"{precision}_weight_only", group_size=group_size, symmetric=True, embeddings=False,
-            leave_float=frozenset(n for n, m in model.named_modules() if m is head) if tied else frozenset())
+            untie=frozenset(n for n, m in model.named_modules() if m is head) if tied else frozenset())
         weights = quantized_weights(reference)
         export = export_copy(reference, weights)
     reference.eval()
@@ -449,7 +450,9 @@ def _weight_rules(job: _Job, present: list) -> list:
 
 
 def _placed(job: _Job, graph: Any, present: list) -> Any:
-    present[:] = [w for w in job.weights if w.placeholder in graph.graph.initializers]
+    from ..exporters.weight_only import stand_in_value
+
+    present[:] = [w for w in job.weights if stand_in_value(graph.graph, w) is not None]
     return graph
 
 

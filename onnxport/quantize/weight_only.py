@@ -21,6 +21,58 @@ from ..errors import DependencyError, InvalidArgumentError
 
 #: The torchao methods that quantize weights only, and their integer width.
 WEIGHT_ONLY_BITS = {"int4_weight_only": 4, "int8_weight_only": 8}
+#: The 3-D weights of transformers' mixture-of-experts layers (its experts interface's names):
+#: ``[experts, out, in]``, or ``[experts, in, out]`` where the class says ``is_transposed``.
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def expert_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, int]]:
+    """``(module name, module, weight name, input-feature axis)`` of every expert weight: the
+    modules transformers' experts interface manages (they say ``is_transposed`` and
+    ``has_gate``), whatever the family."""
+    found = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "is_transposed") and hasattr(module, "has_gate")):
+            continue
+        for weight in EXPERT_WEIGHTS:
+            value = module._parameters.get(weight)
+            if isinstance(value, torch.Tensor) and value.dim() == 3:
+                found.append((name, module, weight, 1 if module.is_transposed else 2))
+    return found
+
+
+class DequantizedExperts(torch.nn.Module):
+    """A parametrization: an expert weight stored as torchao's integers and read as their float
+    values, dequantized as torchao's quantized Linear dequantizes before its matmul. The experts'
+    own forward indexes the weight by expert, which torchao's tensor does not implement.
+    ``axis``: the input features' axis, along which the blocks run."""
+
+    def __init__(self, axis: int) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        return original.dequantize()
+
+
+def _quantize_experts(model: torch.nn.Module, bits: int, group_size: int | None, symmetric: bool) -> int:
+    """Quantize every expert weight of ``model`` in place (the copy quantize_weight_only made: its
+    modules are its own, its tensors shared with the model given, so only attributes change)."""
+    from torch.nn.utils import parametrize
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+    from torchao.quantization.quant_primitives import MappingType
+
+    found = expert_weights(model)
+    for _, module, weight, axis in found:
+        value = module._parameters[weight].detach()
+        block = [1, 1, 1]
+        block[axis] = int(value.shape[axis]) if group_size is None else group_size
+        integers = IntxUnpackedToInt8Tensor.from_hp(
+            value, tuple(block), torch.int4 if bits == 4 else torch.int8,  # type: ignore[attr-defined]  # torch's stubs lack int4
+            mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC)
+        setattr(module, weight, torch.nn.Parameter(integers, requires_grad=False))
+        parametrize.register_parametrization(module, weight, DequantizedExperts(axis), unsafe=True)
+    return len(found)
 
 
 def _targets(model: torch.nn.Module, embeddings: bool) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -31,6 +83,14 @@ def _targets(model: torch.nn.Module, embeddings: bool) -> Iterator[tuple[str, to
 
 
 def _check_groups(model: torch.nn.Module, group_size: int | None, embeddings: bool) -> list[str]:
+    for name, _, weight, axis in expert_weights(model):
+        width = int(getattr(model.get_submodule(name), weight).shape[axis])
+        if group_size is not None and width % group_size:
+            raise InvalidArgumentError(
+                f"group_size={group_size} does not divide the input features of '{name}.{weight}' ({width}); "
+                f"choose a group size that divides every quantized layer's width (a power of two such as 32, 64 "
+                f"or 128), or qscheme='per_channel'."
+            )
     names = []
     for name, module in _targets(model, embeddings):
         width = int(module.in_features if isinstance(module, torch.nn.Linear) else module.embedding_dim)
@@ -50,15 +110,16 @@ def _check_groups(model: torch.nn.Module, group_size: int | None, embeddings: bo
     return names
 
 
-def _check_shared_weights(model: torch.nn.Module, quantized: set[str]) -> None:
-    """A weight read by a quantized and a float layer would silently become two tensors."""
+def _check_shared_weights(model: torch.nn.Module, quantized: set[str], untie: frozenset[str]) -> None:
+    """A weight read by a quantized and a float layer would silently become two tensors (unless
+    the caller asked for exactly that: ``untie``)."""
     readers: dict[int, list[str]] = {}
     for name, module in model.named_modules():
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
         if isinstance(weight, torch.Tensor):
             readers.setdefault(id(weight), []).append(name)
     for names in readers.values():
-        mixed = [n for n in names if n in quantized], [n for n in names if n not in quantized]
+        mixed = [n for n in names if n in quantized and n not in untie], [n for n in names if n not in quantized]
         if mixed[0] and mixed[1]:
             raise InvalidArgumentError(
                 f"The weight of '{mixed[0][0]}' is shared with '{mixed[1][0]}', which this recipe leaves float "
@@ -88,9 +149,13 @@ def drop_bound_reprs(model: torch.nn.Module) -> None:
 
 def quantize_weight_only(
     model: torch.nn.Module, method: str, *, group_size: int | None, symmetric: bool, embeddings: bool,
-    leave_float: frozenset[str] = frozenset(),
+    untie: frozenset[str] = frozenset(),
 ) -> torch.nn.Module:
     """Return a copy of ``model`` whose Linear (and Embedding) weights are torchao int4/int8.
+
+    A mixture of experts' 3-D expert weights (transformers' experts interface) are quantized
+    the same way, each expert's rows in groups along its input features; the copy reads them
+    through :class:`DequantizedExperts`.
 
     Args:
         model: the float model; never modified.
@@ -98,19 +163,21 @@ def quantize_weight_only(
         group_size: input features per scale, or ``None`` for one scale per output channel.
         symmetric: zero-points all 0 (``True``) or one zero-point per block.
         embeddings: quantize ``nn.Embedding`` weights too (grouped along the embedding width).
-        leave_float: the names of layers to leave float (a head tied to float embeddings).
+        untie: the names of layers quantized although a float layer reads their weight too (a
+            head tied to float embeddings): the copy holds their integers beside the float
+            weight, which the other readers keep (the model given stays tied).
     """
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_primitives import MappingType
 
-    names = [n for n in _check_groups(model, group_size, embeddings) if n not in leave_float]
-    if not names:
+    names = _check_groups(model, group_size, embeddings)
+    if not names and not expert_weights(model):
         raise InvalidArgumentError(
             f"{type(model).__name__} has no nn.Linear{' or nn.Embedding' if embeddings else ''} layer, so "
             f"'{method}' has nothing to quantize."
         )
-    _check_shared_weights(model, set(names))
+    _check_shared_weights(model, set(names), untie)
     config = IntxWeightOnlyConfig(
         weight_dtype=torch.int4 if WEIGHT_ONLY_BITS[method] == 4 else torch.int8,  # type: ignore[attr-defined]  # torch's stubs lack int4
         granularity=PerAxis(0) if group_size is None else PerGroup(group_size),
@@ -127,5 +194,6 @@ def quantize_weight_only(
             f"torchao could not apply '{method}': {type(error).__name__}: "
             f"{(str(error).strip().splitlines() or [''])[0]}."
         ) from error
+    _quantize_experts(work, WEIGHT_ONLY_BITS[method], group_size, symmetric)
     drop_bound_reprs(work)
     return work
