@@ -1,6 +1,7 @@
 """``python -m bench seq2seq``: encoder–decoder generation — our two files (``export_seq2seq`` +
-``generate``, both flavours) against PyTorch eager (transformers' ``generate``) and, where its environment is
-given, Optimum's ``ORTModelForSeq2SeqLM`` with past (its own export of the same folder).
+``generate``, both flavours, and int4 in 'ort-cpu') against PyTorch eager (transformers' ``generate``) and, where their environments are
+given, Optimum's ``ORTModelForSeq2SeqLM`` / ``ORTModelForSpeechSeq2Seq`` with past (its own export of the same
+folder) and onnxruntime-genai running our Whisper folders through the ``genai_config.json`` we write.
 
 T5 models with random weights — T5-small's shape (6 + 6 layers, d_model 512, vocabulary 32128) and a
 tiny one (2 + 2 layers, d_model 128) — a batch of 1 and of 4 sources of 32 tokens, 32 new tokens (the end token suppressed until then, so
@@ -9,9 +10,18 @@ its own; the processes take turns, round by round, in a rotating order, and each
 median over rounds (each round the median of 5 generations after a warm-up) of the end-to-end generation (encoder included, sessions made beforehand: our
 ``Seq2SeqGenerator`` and Optimum's model each load once) as new tokens per second.
 
+Whisper with random weights at whisper-tiny's shape (4 + 4 layers, d_model 384, 80 mel bins, 30 s of
+frames, its vocabulary and special tokens): a batch of 1 and of 4 clips of random features, the prompt
+start / English / transcribe / no-timestamps given to every runner, 32 new tokens (the end token
+suppressed until then), greedy. Two figures per runner: end to end (the encoder included), and
+decoding alone — the time of 32 new tokens less that of 8, so the encoder and the first steps cancel
+out, whatever the runner does inside. int4 files' tokens are compared with our int4 file's (they
+are held to the torchao model, not the float one); every other runner's with PyTorch eager's.
+
 Optimum needs its own environment (its pins conflict with ours): point
 ``ONNXPORT_BENCH_OPTIMUM_PYTHON`` at a Python with ``optimum-onnx`` (or ``optimum[onnxruntime]``)
-and ``onnxruntime``; without it that column is skipped.
+and ``onnxruntime``; ``ONNXPORT_BENCH_GENAI_PYTHON`` at one with ``onnxruntime-genai``. Without
+them those columns are skipped. ``ONNXPORT_BENCH_SEQ2SEQ_MODELS=t5,whisper`` picks the families.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SOURCE, NEW, ROUNDS, BATCHES = 32, 32, 5, (1, 4)
+SOURCE, NEW, SHORT, ROUNDS, BATCHES = 32, 32, 8, 5, (1, 4)
 _TOKENS = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
 #: T5-small's shape, and a tiny one where each runner's per-step overhead shows
 SIZES = {
@@ -35,34 +45,79 @@ SIZES = {
                                         "num_heads": 4, **_TOKENS},
 }
 
+#: whisper-tiny's shape and special tokens
+_WHISPER_TOKENS = {"start": 50258, "en": 50259, "translate": 50358, "transcribe": 50359, "no_timestamps": 50363,
+                   "eos": 50257}
+WHISPER = {"vocab_size": 51865, "d_model": 384, "encoder_layers": 4, "decoder_layers": 4, "encoder_attention_heads": 6,
+           "decoder_attention_heads": 6, "encoder_ffn_dim": 1536, "decoder_ffn_dim": 1536, "num_mel_bins": 80,
+           "max_source_positions": 1500, "max_target_positions": 448, "decoder_start_token_id": 50258,
+           "eos_token_id": 50257, "pad_token_id": 50257, "bos_token_id": 50257}
+WHISPER_NAME = "whisper-tiny shape"
+OPTIMUM = "optimum ORTModel (with past)"
+EAGER, INT4 = "pytorch eager", "ours ort-cpu int4"
+
 _TIMED = r"""
 import json, sys, time, numpy as np
-kind, folder, batch, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+kind, folder, batch, new, short = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+speech = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # Whisper: the decoder prompt
 rng = np.random.default_rng(0)
-ids = rng.integers(2, 32000, (batch, 32)); mask = np.ones_like(ids)
+if speech:
+    features = rng.standard_normal((batch, 80, 3000)).astype(np.float32)
+    prompt = np.array([speech] * batch, dtype=np.int64)
+else:
+    ids = rng.integers(2, 32000, (batch, 32)); mask = np.ones_like(ids)
 if kind == "ours":
     from onnxport.llm import Seq2SeqGenerator
     model = Seq2SeqGenerator(folder)  # the sessions made once, as Optimum's model holds its own
-    run = lambda: model.generate(ids, mask, max_new_tokens=new)
-elif kind == "eager":
-    import torch
-    from transformers import AutoModelForSeq2SeqLM
-    torch.set_grad_enabled(False)
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
-    t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
-    run = lambda: model.generate(input_ids=t_ids, attention_mask=t_mask, max_new_tokens=new).numpy()
+    if speech:
+        run = lambda n: model.generate(input_features=features, language="en", max_new_tokens=n)
+    else:
+        run = lambda n: model.generate(ids, mask, max_new_tokens=n)
+elif kind == "genai":
+    import onnxruntime_genai as og
+    model = og.Model(folder)
+    def run(n):
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(speech) + n, min_length=len(speech) + n,
+                                  batch_size=batch)
+        generator = og.Generator(model, params)
+        inputs = og.NamedTensors()
+        inputs["input_features"] = features  # the graph's name: no processor maps genai's own
+        inputs["input_ids"] = prompt.astype(np.int32)
+        generator.set_inputs(inputs)
+        while not generator.is_done():
+            generator.generate_next_token()
+        return np.array([generator.get_sequence(i) for i in range(batch)])
 else:
     import torch
-    from optimum.onnxruntime import ORTModelForSeq2SeqLM
-    model = ORTModelForSeq2SeqLM.from_pretrained(folder, use_cache=True)
-    t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
-    run = lambda: model.generate(input_ids=t_ids, attention_mask=t_mask, max_new_tokens=new).numpy()
-tokens = run()  # warm-up
-times = []
-for _ in range(5):
-    start = time.perf_counter(); tokens = run(); times.append(time.perf_counter() - start)
-seconds = sorted(times)[2]
-print(json.dumps({"seconds": seconds, "new": int(tokens.shape[1] - 1), "tokens": tokens[:, 1:].tolist()}))
+    torch.set_grad_enabled(False)
+    if kind == "eager":
+        from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+        model = (AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM).from_pretrained(folder).eval()
+    else:
+        from optimum.onnxruntime import ORTModelForSeq2SeqLM, ORTModelForSpeechSeq2Seq
+        model = (ORTModelForSpeechSeq2Seq if speech else ORTModelForSeq2SeqLM).from_pretrained(folder, use_cache=True)
+    if speech:
+        from transformers.generation.utils import GenerationMixin
+        t_features, t_prompt = torch.from_numpy(features), torch.from_numpy(prompt)
+        # the plain search from the given prompt (Whisper's own generate adds its language logic)
+        run = lambda n: GenerationMixin.generate(model, t_features, decoder_input_ids=t_prompt, max_new_tokens=n).numpy()
+    else:
+        t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        run = lambda n: model.generate(input_ids=t_ids, attention_mask=t_mask, max_new_tokens=n).numpy()
+def median(n):
+    times = []
+    for _ in range(5):
+        start = time.perf_counter(); tokens = run(n); times.append(time.perf_counter() - start)
+    return sorted(times)[2], tokens
+run(new)  # warm-up
+seconds, tokens = median(new)
+# the same generation cut short: the difference is the decoding of the last new - short tokens,
+# the encoder and the first steps cancelling out
+short_seconds, _ = median(short)
+skip = len(speech) if speech else 1
+print(json.dumps({"seconds": seconds, "short_seconds": short_seconds, "new": int(tokens.shape[1] - skip),
+                  "tokens": tokens[:, skip:].tolist()}))
 """
 
 
@@ -76,22 +131,23 @@ def rss():
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS"))
 before = rss()
 start = time.perf_counter()
-export_seq2seq(sys.argv[1], sys.argv[2], flavour=sys.argv[3])
+export_seq2seq(sys.argv[1], sys.argv[2], flavour=sys.argv[3], precision=sys.argv[4])
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"seconds": time.perf_counter() - start, "peak": peak - before}))
 """
 
 
-def _export(folder: Path, out: Path, flavour: str) -> dict:
+def _export(folder: Path, out: Path, flavour: str, precision: str = "fp32") -> dict:
     """Our export in a fresh process: its time, and the process's peak memory above its resident
     size once the libraries are loaded (the model's loading from the folder included)."""
-    done = subprocess.run([sys.executable, "-c", _EXPORT, str(folder), str(out), flavour], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _EXPORT, str(folder), str(out), flavour, precision], capture_output=True,
                           text=True, check=True, timeout=3600)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _timed(python: str, kind: str, folder: Path, batch: int) -> dict:
-    done = subprocess.run([python, "-c", _TIMED, kind, str(folder), str(batch), str(NEW)], capture_output=True,
+def _timed(python: str, kind: str, folder: Path, batch: int, prompt: list[int] | None) -> dict:
+    speech = [json.dumps(prompt)] if prompt else []
+    done = subprocess.run([python, "-c", _TIMED, kind, str(folder), str(batch), str(NEW), str(SHORT), *speech], capture_output=True,
                           text=True, check=False, timeout=1800)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:200]}
@@ -100,64 +156,99 @@ def _timed(python: str, kind: str, folder: Path, batch: int) -> dict:
 
 def run() -> dict:
     optimum = os.environ.get("ONNXPORT_BENCH_OPTIMUM_PYTHON")
-    results: dict = {"source": SOURCE, "new_tokens": NEW, "rounds": ROUNDS, "optimum": bool(optimum), "models": {}}
-    for name, config in SIZES.items():
+    genai = os.environ.get("ONNXPORT_BENCH_GENAI_PYTHON")
+    families = os.environ.get("ONNXPORT_BENCH_SEQ2SEQ_MODELS", "t5,whisper").split(",")
+    results: dict = {"source": SOURCE, "new_tokens": NEW, "rounds": ROUNDS, "optimum": bool(optimum),
+                     "genai": bool(genai), "models": {}}
+    chosen = {**(SIZES if "t5" in families else {}), **({WHISPER_NAME: WHISPER} if "whisper" in families else {})}
+    for name, config in chosen.items():
         with tempfile.TemporaryDirectory() as scratch:
-            results["models"][name] = _one(config, Path(scratch), optimum)
+            results["models"][name] = _one(name, config, Path(scratch), optimum, genai)
         print(f"  {name} done", flush=True)
     return results
 
 
-def _one(config: dict, scratch: Path, optimum: str | None) -> dict:
+def _model(name: str, config: dict) -> tuple:
+    """The random-weight model of ``name``, its end token suppressed for ``NEW`` tokens, and the
+    decoder prompt every runner is given (speech only)."""
     import torch
-    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        T5Config,
+        T5ForConditionalGeneration,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
 
+    torch.manual_seed(0)
+    if name != WHISPER_NAME:
+        model = T5ForConditionalGeneration(T5Config(**config)).eval()
+        model.generation_config.min_new_tokens = NEW  # the same number of steps for every runner
+        return model, None
+    model = WhisperForConditionalGeneration(WhisperConfig(**config)).eval()
+    t = _WHISPER_TOKENS
+    # a multilingual checkpoint's language and task tables; no suppressed tokens, which
+    # onnxruntime-genai's search does not apply
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=t["start"], eos_token_id=t["eos"], pad_token_id=t["eos"], bos_token_id=t["eos"],
+        max_length=448, min_new_tokens=NEW, no_timestamps_token_id=t["no_timestamps"], is_multilingual=True,
+        lang_to_id={"<|en|>": t["en"]}, task_to_id={"transcribe": t["transcribe"], "translate": t["translate"]})
+    return model, [t["start"], t["en"], t["transcribe"], t["no_timestamps"]]
+
+
+def _one(name: str, config: dict, scratch: Path, optimum: str | None, genai: str | None) -> dict:
     results: dict = {"batches": {}}
     folder = scratch / "model"
-    torch.manual_seed(0)
-    model = T5ForConditionalGeneration(T5Config(**config)).eval()
-    model.generation_config.min_new_tokens = NEW  # the same number of steps for every runner
+    model, prompt = _model(name, config)
     model.save_pretrained(folder)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     results["weights_bytes"] = weights
     runners = {}
-    for flavour in ("portable", "ort-cpu"):
-        ours = scratch / f"ours-{flavour}"
-        figures = _export(folder, ours, flavour)
-        results[f"export {flavour}"] = {"seconds": figures["seconds"], "peak_vs_weights": figures["peak"] / weights}
-        runners[f"ours {flavour}"] = (sys.executable, ours)
-    runners["pytorch eager"] = (sys.executable, folder)
+    # int4 weight-only (the head too): the step reads an eighth of the float weights
+    for flavour, precision in (("portable", "fp32"), ("ort-cpu", "fp32"), ("ort-cpu", "int4")):
+        label = flavour if precision == "fp32" else f"{flavour} {precision}"
+        ours = scratch / f"ours-{flavour}-{precision}"
+        figures = _export(folder, ours, flavour, precision)
+        results[f"export {label}"] = {"seconds": figures["seconds"], "peak_vs_weights": figures["peak"] / weights}
+        runners[f"ours {label}"] = ("ours", sys.executable, ours)
+        if genai and prompt and (ours / "genai_config.json").is_file():
+            runners[f"onnxruntime-genai, our {label} folder"] = ("genai", genai, ours)
+    runners[EAGER] = ("eager", sys.executable, folder)
     if optimum:
         theirs = scratch / "optimum"
+        task = "automatic-speech-recognition-with-past" if prompt else "text2text-generation-with-past"
         started = time.perf_counter()
-        done = subprocess.run([optimum, "-m", "optimum.exporters.onnx", "--model", str(folder), "--task",
-                               "text2text-generation-with-past", str(theirs)], capture_output=True, text=True,
-                              check=False, timeout=1800)
+        done = subprocess.run([optimum, "-m", "optimum.exporters.onnx", "--model", str(folder), "--task", task,
+                               str(theirs)], capture_output=True, text=True, check=False, timeout=1800)
         results["export optimum"] = {"seconds": time.perf_counter() - started}
         if done.returncode == 0:
-            runners["optimum ORTModelForSeq2SeqLM"] = (optimum, theirs)
+            runners[OPTIMUM] = ("optimum", optimum, theirs)
         else:
             results["optimum_error"] = (done.stderr.strip().splitlines() or ["failed"])[-1][:200]
-    kinds = {"ours portable": "ours", "ours ort-cpu": "ours", "pytorch eager": "eager",
-             "optimum ORTModelForSeq2SeqLM": "optimum"}
     for batch in BATCHES:
         seconds: dict[str, list[float]] = {name: [] for name in runners}
+        decoding: dict[str, list[float]] = {name: [] for name in runners}
         outputs: dict[str, list] = {}
         names = list(runners)
         for round_ in range(ROUNDS):
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                python, path = runners[name]
-                timed = _timed(python, kinds[name], path, batch)
+            for runner in names[round_ % len(names):] + names[:round_ % len(names)]:
+                kind, python, path = runners[runner]
+                timed = _timed(python, kind, path, batch, prompt)
                 if "error" in timed:
-                    outputs[name] = timed["error"]
+                    outputs[runner] = timed["error"]
                     continue
-                seconds[name].append(timed["seconds"])
-                outputs[name] = timed["tokens"]
+                seconds[runner].append(timed["seconds"])
+                decoding[runner].append(timed["seconds"] - timed["short_seconds"])
+                outputs[runner] = timed["tokens"]
         entry: dict = {}
-        for name, values in seconds.items():
-            entry[name] = ({"tokens_per_s": batch * NEW / statistics.median(values)} if values
-                           else {"error": outputs.get(name)})
-        entry["same_tokens_as_eager"] = {name: outputs.get(name) == outputs.get("pytorch eager") for name in runners}
+        for runner, values in seconds.items():
+            entry[runner] = ({"tokens_per_s": batch * NEW / statistics.median(values),
+                              "decode_tokens_per_s": batch * (NEW - SHORT) / statistics.median(decoding[runner])}
+                             if values else {"error": outputs.get(runner)})
+        # int4 files are held to the torchao model, not the float one: their tokens are compared
+        # with our int4 file's
+        entry["same_tokens"] = {runner: outputs.get(runner) == outputs.get(INT4 if "int4" in runner else EAGER)
+                                for runner in runners if runner not in (EAGER, INT4)}
         results["batches"][str(batch)] = entry
     return results
 
@@ -165,26 +256,30 @@ def _one(config: dict, scratch: Path, optimum: str | None) -> dict:
 def report(results: dict) -> str:
     from onnxport import cpu_int8
 
-    lines = [(f"Encoder-decoder generation (T5, random weights), {results['source']}-token sources, "
-              f"{results['new_tokens']} new tokens, greedy; median of {results['rounds']} rounds, each runner in its "
+    lines = [(f"Encoder-decoder generation (random weights; T5: {results['source']}-token sources; Whisper: "
+              f"30 s of features, a 4-token prompt), {results['new_tokens']} new tokens, greedy; median of {results['rounds']} rounds, each runner in its "
               f"own process, rotating order; CPU: {cpu_int8().isa}"),
-             "| model | batch | runner | new tokens/s | same tokens as eager |", "|---|---|---|---|---|"]
+             "| model | batch | runner | new tokens/s, end to end | decode tokens/s | same tokens |",
+             "|---|---|---|---|---|---|"]
     notes = []
     for model, entry in results["models"].items():
         for batch, figures_by_runner in entry["batches"].items():
+            same = figures_by_runner.get("same_tokens", {})
             for name, figures in figures_by_runner.items():
-                if name == "same_tokens_as_eager":
+                if name == "same_tokens":
                     continue
-                shown = f"{figures['tokens_per_s']:.1f}" if "tokens_per_s" in figures else figures["error"]
-                lines.append(f"| {model} | {batch} | {name} | {shown} | "
-                             f"{figures_by_runner['same_tokens_as_eager'].get(name)} |")
-            for mine in ("ours portable", "ours ort-cpu"):
-                ours = figures_by_runner.get(mine, {}).get("tokens_per_s")
-                for other in ("pytorch eager", "optimum ORTModelForSeq2SeqLM"):
-                    theirs = figures_by_runner.get(other, {}).get("tokens_per_s")
-                    if ours and theirs:
-                        notes.append(f"  {model}, batch {batch}: {mine} / {other}: {ours / theirs:.2f}x tokens/s")
-        for name in ("export portable", "export ort-cpu", "export optimum"):
+                shown = (f"{figures['tokens_per_s']:.1f} | {figures['decode_tokens_per_s']:.1f}"
+                         if "tokens_per_s" in figures else f"{figures['error']} | ")
+                lines.append(f"| {model} | {batch} | {name} | {shown} | {same.get(name, 'the reference')} |")
+            for mine in ("ours portable", "ours ort-cpu", INT4):
+                ours = figures_by_runner.get(mine, {})
+                for other in (EAGER, OPTIMUM, *(n for n in figures_by_runner if n.startswith("onnxruntime-genai"))):
+                    theirs = figures_by_runner.get(other, {})
+                    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                        notes.append(f"  {model}, batch {batch}: {mine} / {other}: "
+                                     f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x end to end, "
+                                     f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x decoding")
+        for name in ("export portable", "export ort-cpu", "export ort-cpu int4", "export optimum"):
             if name in entry:
                 figures = entry[name]
                 peak = (f", peak memory above the libraries' {figures['peak_vs_weights']:.1f}x the float weights "
