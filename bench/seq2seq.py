@@ -18,14 +18,16 @@ decoding alone — the time of 32 new tokens less that of 8, so the encoder and 
 out, whatever the runner does inside. int4 files' tokens are compared with our int4 file's (they
 are held to the torchao model, not the float one); every other runner's with PyTorch eager's.
 
-Optimum needs its own environment (its pins conflict with ours): point
-``ONNXPORT_BENCH_OPTIMUM_PYTHON`` at a Python with ``optimum-onnx`` (or ``optimum[onnxruntime]``)
-and ``onnxruntime``; ``ONNXPORT_BENCH_GENAI_PYTHON`` at one with ``onnxruntime-genai``. Without
-them those columns are skipped. ``ONNXPORT_BENCH_SEQ2SEQ_MODELS=t5,whisper`` picks the families.
+Optimum needs its own environment (its pins conflict with ours): ``--optimum-python`` names a
+Python with ``optimum-onnx`` (or ``optimum[onnxruntime]``) and ``onnxruntime``; ``--genai-python``
+one with ``onnxruntime-genai``. Without them those columns are skipped. ``--models t5,whisper``
+picks the families, ``--rounds`` the rounds (environment variables ``ONNXPORT_BENCH_OPTIMUM_PYTHON``,
+``ONNXPORT_BENCH_GENAI_PYTHON`` and ``ONNXPORT_BENCH_SEQ2SEQ_MODELS`` are the fallbacks).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -33,9 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-SOURCE, NEW, SHORT, ROUNDS, BATCHES = 32, 32, 8, 5, (1, 4)
+SOURCE, NEW, SHORT, BATCHES = 32, 32, 8, (1, 4)
 _TOKENS = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
 #: T5-small's shape, and a tiny one where each runner's per-step overhead shows
 SIZES = {
@@ -154,16 +157,51 @@ def _timed(python: str, kind: str, folder: Path, batch: int, prompt: list[int] |
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run() -> dict:
-    optimum = os.environ.get("ONNXPORT_BENCH_OPTIMUM_PYTHON")
-    genai = os.environ.get("ONNXPORT_BENCH_GENAI_PYTHON")
-    families = os.environ.get("ONNXPORT_BENCH_SEQ2SEQ_MODELS", "t5,whisper").split(",")
-    results: dict = {"source": SOURCE, "new_tokens": NEW, "rounds": ROUNDS, "optimum": bool(optimum),
-                     "genai": bool(genai), "models": {}}
-    chosen = {**(SIZES if "t5" in families else {}), **({WHISPER_NAME: WHISPER} if "whisper" in families else {})}
-    for name, config in chosen.items():
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        models: ``'t5'`` (T5-small's shape and a tiny T5) and/or ``'whisper'`` (whisper-tiny's shape).
+        rounds: rotating rounds per batch (each runner's figure is the median over them).
+        optimum_python: a Python with optimum-onnx, for Optimum's ORTModel column (None: skipped).
+        genai_python: a Python with onnxruntime-genai, for its run of our Whisper folders (None: skipped).
+    """
+
+    models: tuple[str, ...] = ("t5", "whisper")
+    rounds: int = 5
+    optimum_python: str | None = None
+    genai_python: str | None = None
+
+
+def config_from(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(prog="python -m bench seq2seq")
+    parser.add_argument("--models", default=os.environ.get("ONNXPORT_BENCH_SEQ2SEQ_MODELS", "t5,whisper"),
+                        help="comma-separated: t5, whisper (default: both)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--optimum-python", default=os.environ.get("ONNXPORT_BENCH_OPTIMUM_PYTHON"),
+                        help="a Python with optimum-onnx (Optimum's column; default: skipped)")
+    parser.add_argument("--genai-python", default=os.environ.get("ONNXPORT_BENCH_GENAI_PYTHON"),
+                        help="a Python with onnxruntime-genai (its run of our Whisper folders; default: skipped)")
+    args = parser.parse_args(argv or [])
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m not in ("t5", "whisper")]
+    if unknown or not models:
+        parser.error(f"unknown models {', '.join(unknown) or '(none given)'}; choose from t5, whisper")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return Config(models, args.rounds, args.optimum_python, args.genai_python)
+
+
+def run(argv: list[str] | None = None) -> dict:
+    config = config_from(argv)
+    results: dict = {"source": SOURCE, "new_tokens": NEW, "rounds": config.rounds,
+                     "optimum": bool(config.optimum_python), "genai": bool(config.genai_python), "models": {}}
+    chosen = {**(SIZES if "t5" in config.models else {}),
+              **({WHISPER_NAME: WHISPER} if "whisper" in config.models else {})}
+    for name, shape in chosen.items():
         with tempfile.TemporaryDirectory() as scratch:
-            results["models"][name] = _one(name, config, Path(scratch), optimum, genai)
+            results["models"][name] = _one(name, shape, Path(scratch), config)
         print(f"  {name} done", flush=True)
     return results
 
@@ -196,10 +234,11 @@ def _model(name: str, config: dict) -> tuple:
     return model, [t["start"], t["en"], t["transcribe"], t["no_timestamps"]]
 
 
-def _one(name: str, config: dict, scratch: Path, optimum: str | None, genai: str | None) -> dict:
+def _one(name: str, shape: dict, scratch: Path, config: Config) -> dict:
+    optimum, genai = config.optimum_python, config.genai_python
     results: dict = {"batches": {}}
     folder = scratch / "model"
-    model, prompt = _model(name, config)
+    model, prompt = _model(name, shape)
     model.save_pretrained(folder)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     results["weights_bytes"] = weights
@@ -230,7 +269,7 @@ def _one(name: str, config: dict, scratch: Path, optimum: str | None, genai: str
         decoding: dict[str, list[float]] = {name: [] for name in runners}
         outputs: dict[str, list] = {}
         names = list(runners)
-        for round_ in range(ROUNDS):
+        for round_ in range(config.rounds):
             for runner in names[round_ % len(names):] + names[:round_ % len(names)]:
                 kind, python, path = runners[runner]
                 timed = _timed(python, kind, path, batch, prompt)
