@@ -12,7 +12,7 @@ place — or leaves the target exactly as it was. Progress is counted from the s
 and proof is logged on ``logging.getLogger("onnxport")`` (the CLI's ``-v`` shows them).
 
 :func:`save_model` is the same atomic write for a model that is already built (the encodings
-converter's output).
+converter's output); :func:`share_weights` stores a weight two files of one folder hold once.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import onnx
 import onnx_ir as ir
 
 from ._core.axes import Axes
-from ._core.io import check_output_path, staged_folder, staged_output
+from ._core.io import EXTERNAL_DATA_BYTES, EXTERNAL_SIZE_THRESHOLD, check_output_path, staged_folder, staged_output
 from ._core.ir import write_model
-from .errors import InvalidArgumentError
+from .errors import ExportRefusedError, InvalidArgumentError
 from .pipeline import Pipeline, Step, sizes_of
 
 log = logging.getLogger("onnxport")
@@ -188,3 +188,150 @@ def output_folder_stage(output_dir: str | os.PathLike) -> Iterator[Path]:
     ``output_dir`` is left as it was."""
     with staged_folder(output_dir) as stage:
         yield stage
+
+
+#: Weights from this size up are looked for in the other file (an embedding table, a head):
+#: smaller ones cost less than the comparison.
+SHARE_MIN_BYTES = 1 << 20
+
+
+def share_weights(stage: str | os.PathLike, owner: str, reader: str, *, min_bytes: int = SHARE_MIN_BYTES) -> list[str]:
+    """Store once the weights two proven files of a staged folder both hold (a shared embedding
+    table): ``owner``'s weights move to its data file (``<owner>.data``), and ``reader``'s equal ones
+    point into it (ONNX external data, resolved beside the file: the folder's files travel together).
+
+    Each rewritten file is proven the file it replaces: the same graph, and every weight's bytes
+    equal, read back through its new place. Returns the reader's initializers now read from the
+    owner's data file (none: both files are left as they were).
+    """
+    folder = Path(stage)
+    read, own = ir.load(folder / reader), ir.load(folder / owner)
+    candidates: dict[tuple, list[tuple[str, Any]]] = {}
+    for graph in own.graphs():
+        for name, value in graph.initializers.items():
+            if value.const_value is not None and value.const_value.nbytes >= min_bytes:
+                tensor = value.const_value
+                candidates.setdefault((tensor.dtype, tuple(tensor.shape)), []).append((name, tensor))
+    matches: dict[str, str] = {}
+    for graph in read.graphs():
+        for name, value in graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None or tensor.nbytes < min_bytes:
+                continue
+            mine = tensor.tobytes()
+            found = candidates.get((tensor.dtype, tuple(tensor.shape)), [])
+            match = next((owned_name for owned_name, other in found if other.tobytes() == mine), None)
+            if match is not None:
+                matches[name] = match
+    if not matches:
+        return []
+    del own, candidates
+    owned = {v.name: v.const_value for g in _with_external_weights(folder, owner).graphs()
+             for v in g.initializers.values()}
+    shared: dict[str, ir.ExternalTensor] = {name: owned[match] for name, match in matches.items()}  # type: ignore[misc]
+    values = {name: value for graph in read.graphs() for name, value in graph.initializers.items() if name in shared}
+    for value in values.values():
+        value.const_value = None  # out of the reader's own data: they are the owner's
+    rest = sum(t.nbytes for t in _initializer_tensors(read))
+    scratch = folder / ".sharing"
+    scratch.mkdir()
+    try:
+        if rest > EXTERNAL_DATA_BYTES:
+            ir.external_data.unload_from_model(read, scratch, f"{reader}.data",
+                                               size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
+        else:
+            ir.external_data.load_to_model(read)
+        for name, value in values.items():
+            source = shared[name]
+            # the location is the owner's data file, beside the reader once it is in the folder
+            value.const_value = ir.ExternalTensor(source.location, offset=source.offset, length=source.length,
+                                                  dtype=source.dtype, shape=source.shape, name=name,
+                                                  base_dir=folder)
+        ir.save(read, scratch / reader)
+        _replace_proven(folder, reader, scratch)
+    finally:
+        _remove_tree(scratch)
+    log.info("%s reads %d weights (%.1f MB) from %s's data file", reader, len(shared),
+             sum(t.nbytes for t in shared.values()) / 1e6, owner)
+    return sorted(shared)
+
+
+def _initializer_tensors(model: ir.Model) -> Iterator[Any]:
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                yield value.const_value
+
+
+def _with_external_weights(folder: Path, name: str) -> ir.Model:
+    """``name`` loaded lazily, its weights from :data:`EXTERNAL_SIZE_THRESHOLD` up in its data file
+    (rewritten so, and proven, when it kept them inline)."""
+    model = ir.load(folder / name)
+    inline = [t for t in _initializer_tensors(model)
+              if t.nbytes >= EXTERNAL_SIZE_THRESHOLD and not isinstance(t, ir.ExternalTensor)]
+    if not inline:
+        return model
+    scratch = folder / ".external"
+    scratch.mkdir()
+    try:
+        ir.save(model, scratch / name, external_data=f"{name}.data", size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
+        _replace_proven(folder, name, scratch)
+    finally:
+        _remove_tree(scratch)
+    return ir.load(folder / name)
+
+
+def _replace_proven(folder: Path, name: str, scratch: Path) -> None:
+    """Move the rewritten ``scratch/name`` (and its data file) into ``folder`` once it is proven
+    the file it replaces: the same graph, and every weight's bytes equal."""
+    previous = scratch / "previous"
+    previous.mkdir()
+    for file in (name, f"{name}.data"):
+        if (folder / file).exists():
+            os.replace(folder / file, previous / file)
+    for file in (name, f"{name}.data"):
+        if (scratch / file).exists():
+            os.replace(scratch / file, folder / file)
+    why = _differs(previous / name, folder / name)
+    if why is not None:
+        raise ExportRefusedError(f"Storing {name}'s weights anew changed the file ({why}); nothing was kept.")
+    from ._checks import checker_view
+
+    view = checker_view(folder / name)  # ONNX Runtime's default-domain operators seen as its own
+    try:
+        onnx.checker.check_model(str(view), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise ExportRefusedError(
+            f"{name}, its weights stored anew, fails onnx.checker: {str(error).strip().splitlines()[0]}; nothing was kept."
+        ) from error
+    finally:
+        if view != folder / name:
+            view.unlink()
+
+
+def _differs(before: Path, after: Path) -> str | None:
+    """Why two files are not the same model (graph and weights), or None."""
+    def skeleton(path: Path) -> bytes:
+        model = onnx.load(str(path), load_external_data=False)
+        for tensor in onnx.external_data_helper._get_all_tensors(model):
+            tensor.ClearField("raw_data")
+            tensor.ClearField("external_data")
+            tensor.ClearField("data_location")
+        return model.SerializeToString(deterministic=True)
+
+    if skeleton(before) != skeleton(after):
+        return "its graph or weight names differ"
+    old, new = ir.load(before), ir.load(after)
+    new_tensors = {v.name: v.const_value for g in new.graphs() for v in g.initializers.values()}
+    for graph in old.graphs():
+        for name, value in graph.initializers.items():
+            tensor, other = value.const_value, new_tensors.get(name)
+            if (tensor is None) != (other is None) or (tensor is not None and tensor.tobytes() != other.tobytes()):
+                return f"weight '{name}' differs"
+    return None
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -232,6 +232,41 @@ def test_whisper_at_30_seconds_gets_a_genai_config_that_names_its_files(whisper_
     assert not (stage / "genai_config.json").exists()
 
 
+def test_a_shared_embedding_is_stored_once_and_both_files_read_it(tmp_path):
+    import shutil
+
+    import transformers
+
+    # a table of 8200 x 32 float32 (1 MB): large enough to be worth sharing
+    config = transformers.BartConfig(vocab_size=8200, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                                     eos_token_id=2, decoder_start_token_id=2, init_std=0.5, **SMALL)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    table = model.get_input_embeddings().weight.detach().numpy()
+    result = export_seq2seq(model, tmp_path / "onnx")
+    assert result.shared_weights and result.token_agreement == 1.0
+    # the decoder's copy of the table is the encoder's bytes, read from the encoder's data file
+    decoder = onnx.load(result.decoder, load_external_data=False)
+    pointing = {t.name: {e.key: e.value for e in t.external_data} for t in decoder.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert set(pointing) == set(result.shared_weights)
+    assert {p["location"] for p in pointing.values()} == {"encoder_model.onnx.data"}
+    stored = sum(f.stat().st_size for f in result.folder.iterdir() if "model.onnx" in f.name)
+    assert table.nbytes < stored < 1.9 * table.nbytes  # once, not twice
+    onnx.checker.check_model(str(result.decoder))
+    full = onnx.load(str(result.decoder))
+    assert any(np.array_equal(onnx.numpy_helper.to_array(t), table) for t in full.graph.initializer)
+    ids, mask = _source(model)
+    np.testing.assert_array_equal(generate(result.folder, ids, mask, max_new_tokens=8),
+                                  _transformers(model, ids, mask, max_new_tokens=8))
+    # a folder that lost the encoder's data file is named, not a raw runtime error
+    broken = tmp_path / "broken"
+    shutil.copytree(result.folder, broken)
+    (broken / "encoder_model.onnx.data").unlink()
+    with pytest.raises(InvalidArgumentError, match=r"encoder_model\.onnx\.data"):
+        generate(broken, ids, mask, max_new_tokens=2)
+
+
 def test_bad_input_is_named_and_nothing_is_written(tmp_path, exported):
     import transformers
 

@@ -84,6 +84,8 @@ class Seq2SeqFiles:
             com.microsoft MultiHeadAttention, SkipLayerNormalization, BiasGelu, …).
         genai_config: Whisper at its 30 s of frames: the ``genai_config.json`` onnxruntime-genai
             runs the pair with (None otherwise).
+        shared_weights: the decoder's weights stored once, in the encoder's data file
+            (``encoder_model.onnx.data``): a text model's shared embedding table.
     """
 
     folder: Path
@@ -98,6 +100,7 @@ class Seq2SeqFiles:
     deployed: Report | None = None
     token_agreement: float = 1.0
     genai_config: Path | None = None
+    shared_weights: list[str] = field(default_factory=list)
 
     def __fspath__(self) -> str:
         return str(self.folder)
@@ -114,6 +117,8 @@ class Seq2SeqFiles:
         ]
         if self.genai_config is not None:
             lines.append(f"  onnxruntime-genai: {self.genai_config.name}")
+        if self.shared_weights:
+            lines.append(f"  stored once, read by both files from {ENCODER_FILE}.data: {', '.join(self.shared_weights)}")
         for file, fused in self.fusions.items():
             if fused:
                 lines.append(f"  {file} fused for ONNX Runtime: {', '.join(f'{k} {v}' for k, v in fused.items())}")
@@ -282,7 +287,9 @@ def export_seq2seq(
 
     ``output_dir`` receives ``encoder_model.onnx`` and ``decoder_model.onnx``, the model's
     ``config.json`` and ``generation_config.json``, and the tokenizer and processor files of the
-    folder it came from; :func:`onnxport.llm.generate` generates with it.
+    folder it came from; :func:`onnxport.llm.generate` generates with it. A weight both files hold
+    (a shared embedding table, from 1 MB) is stored once, in ``encoder_model.onnx.data``, which
+    the decoder reads it from (``result.shared_weights``).
 
     The encoder file takes ``input_ids`` and ``attention_mask`` (speech: ``input_features``) and
     gives ``last_hidden_state`` and every decoder layer's cross-attention keys and values
@@ -322,7 +329,7 @@ def export_seq2seq(
     """
     from tqdm.auto import tqdm
 
-    from ..engine import output_folder_stage
+    from ..engine import output_folder_stage, share_weights
 
     check_choice(precision, PRECISIONS, "precision")
     check_choice(flavour, FLAVOURS, "flavour")
@@ -353,6 +360,7 @@ def export_seq2seq(
             _write_encoder(job, stage / ENCODER_FILE)
             bar.update()
             _write_decoder(job, stage, name)
+            job.result.shared_weights = share_weights(stage, ENCODER_FILE, DECODER_FILE)
             bar.update()
             _write_companions(model, stage, source_folder)
             if genai_runs(job.shape):

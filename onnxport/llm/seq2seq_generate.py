@@ -70,6 +70,21 @@ def _check_folder(folder: Path) -> None:
             )
 
 
+def _session(path: Path, session_options: Any) -> Any:
+    """An ONNX Runtime session on one of the folder's files; a data file it reads that is missing
+    or cut short (the decoder reads a shared table from the encoder's) is named."""
+    from .._core.io import check_external_data
+    from ..runtime import make_session
+
+    try:
+        return make_session(path, session_options=session_options)
+    except Exception:
+        import onnx
+
+        check_external_data(onnx.load(str(path), load_external_data=False), path.parent)
+        raise
+
+
 def _configs(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(generation_config.json, config.json) of an output folder ({} where absent)."""
     configs = []
@@ -161,13 +176,11 @@ class Seq2SeqGenerator:
     """
 
     def __init__(self, folder: str | os.PathLike, session_options: Any = None) -> None:
-        from ..runtime import make_session
-
         self.folder = Path(os.fspath(folder))
         _check_folder(self.folder)
         self.generation, self.config = _configs(self.folder)
-        self.encoder = make_session(self.folder / ENCODER_FILE, session_options=session_options)
-        self.decoder = make_session(self.folder / DECODER_FILE, session_options=session_options)
+        self.encoder = _session(self.folder / ENCODER_FILE, session_options)
+        self.decoder = _session(self.folder / DECODER_FILE, session_options)
         meta = self.decoder.get_modelmeta().custom_metadata_map
         if METADATA_KEY not in meta:
             raise InvalidArgumentError(
