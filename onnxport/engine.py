@@ -31,7 +31,7 @@ import onnx
 import onnx_ir as ir
 
 from ._core.axes import Axes
-from ._core.io import EXTERNAL_DATA_BYTES, EXTERNAL_SIZE_THRESHOLD, check_output_path, staged_folder, staged_output
+from ._core.io import EXTERNAL_SIZE_THRESHOLD, check_output_path, staged_folder, staged_output
 from ._core.ir import write_model
 from .errors import ExportRefusedError, InvalidArgumentError
 from .pipeline import Pipeline, Step, sizes_of
@@ -197,8 +197,10 @@ SHARE_MIN_BYTES = 1 << 20
 
 def share_weights(stage: str | os.PathLike, owner: str, reader: str, *, min_bytes: int = SHARE_MIN_BYTES) -> list[str]:
     """Store once the weights two proven files of a staged folder both hold (a shared embedding
-    table): ``owner``'s weights move to its data file (``<owner>.data``), and ``reader``'s equal ones
-    point into it (ONNX external data, resolved beside the file: the folder's files travel together).
+    table): ``owner``'s weights move to its data file (``<owner>.data``), ``reader``'s equal ones
+    point into it (ONNX external data, resolved beside the file: the folder's files travel
+    together) and its others go to its own (``<reader>.data``). Written tensor by tensor, and
+    read lazily when the files keep their weights in data files already.
 
     Each rewritten file is proven the file it replaces: the same graph, and every weight's bytes
     equal, read back through its new place. Returns the reader's initializers now read from the
@@ -232,15 +234,12 @@ def share_weights(stage: str | os.PathLike, owner: str, reader: str, *, min_byte
     values = {name: value for graph in read.graphs() for name, value in graph.initializers.items() if name in shared}
     for value in values.values():
         value.const_value = None  # out of the reader's own data: they are the owner's
-    rest = sum(t.nbytes for t in _initializer_tensors(read))
     scratch = folder / ".sharing"
     scratch.mkdir()
     try:
-        if rest > EXTERNAL_DATA_BYTES:
-            ir.external_data.unload_from_model(read, scratch, f"{reader}.data",
-                                               size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
-        else:
-            ir.external_data.load_to_model(read)
+        # the reader's own weights stream to its own data file, one at a time
+        ir.external_data.unload_from_model(read, scratch, f"{reader}.data",
+                                           size_threshold_bytes=EXTERNAL_SIZE_THRESHOLD - 1)
         for name, value in values.items():
             source = shared[name]
             # the location is the owner's data file, beside the reader once it is in the folder

@@ -496,10 +496,12 @@ def _write_encoder(job: _Job, file: Path) -> None:
                 f"Nothing was kept."
             )
 
+    # both files keep their weights in data files: written tensor by tensor, and read lazily by
+    # the step that stores a weight both hold once (share_weights), so neither costs a copy
     run_plan(ExportPlan("export_seq2seq encoder", job.opset, feeds, capture, _steps(job), axes=axes,
                         keep_reference=False, rules=[*_weight_rules(job, present), proven],
                         before_write=_fusions_of(job, ENCODER_FILE),
-                        metadata=_record(job)), file)
+                        metadata=_record(job), external_data=True), file)
 
 
 def _write_decoder(job: _Job, stage: Path, name: str) -> None:
@@ -552,7 +554,7 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
     run_plan(ExportPlan("export_seq2seq decoder", job.opset, feeds(0, 1), capture, _steps(job),
                         axes=axes, samples=[feeds(0, 1), feeds(3, 1), feeds(2, 3)], keep_reference=False,
                         rules=[*_weight_rules(job, present), decoding], metadata=_record(job),
-                        before_write=_fusions_of(job, DECODER_FILE)),
+                        before_write=_fusions_of(job, DECODER_FILE), external_data=True),
              stage / DECODER_FILE)
 
 
