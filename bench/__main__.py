@@ -1,23 +1,27 @@
 """Run the benchmarks: ``python -m bench [NAME …] [--flag …]`` (or ``onnxport bench``, from a checkout).
 
-Prints each benchmark's side-by-side table and writes one results file per run,
+Prints each benchmark's side-by-side tables and writes one results file per run,
 ``bench/results/<UTC time>-<names>.json`` (the machine, the CPU's INT8 kernels, and each
 benchmark's figures), and, when matplotlib is installed (``pip install -e .[bench]``),
-``bench/latency_ratios.png``. Flags after the names go to the benchmarks that take them
-(``python -m bench sweep --families Bert --rounds 20``; each one's ``--help`` lists its own).
+``bench/latency_ratios.png``. Flags after the names go to every benchmark that takes them
+(``python -m bench sweep --families Bert --rounds 20``; ``python -m bench NAME --help`` lists one
+benchmark's own); a flag none of the chosen benchmarks takes is refused before anything runs.
+``python -m bench --tables FILE`` prints the tables of a results file again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
-import inspect
 import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
+
+from bench._framework import parse_config, parser_for
 
 BENCHMARKS = ("float_export", "quantizer", "qdq_export", "targets", "encodings", "layers", "weight_only", "export_overhead", "zoo",
               "dynamic_axes", "openvino", "sweep", "llm", "float_floor", "pretrained", "seq2seq")
@@ -35,6 +39,8 @@ def _chart(results: dict, path: Path) -> bool:
         return False
     bars: list[tuple[str, float]] = []
     for name, entry in results.get("targets", {}).items():
+        if name.startswith("_"):
+            continue
         for file, figures in entry.items():
             bars.append((f"{name}\n{file}", figures["batch1_vs_fp32"]))
     if not bars:
@@ -51,13 +57,23 @@ def _chart(results: dict, path: Path) -> bool:
     return True
 
 
-def _takes_flags(module: object) -> bool:
-    return "argv" in inspect.signature(module.run).parameters  # type: ignore[attr-defined]
+def _tables(path: Path) -> int:
+    results = json.loads(path.read_text())
+    print(f"CPU: {results.get('cpu', results.get('isa', 'not recorded'))}; measured {results.get('date', '?')}\n")
+    for name in BENCHMARKS:
+        if name in results:
+            print(importlib.import_module(f"bench.{name}").report(results[name]) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE.parent))
     argv = list(argv or [])
+    if argv[:1] == ["--tables"]:
+        if len(argv) != 2 or not Path(argv[1]).is_file():
+            print("--tables takes one results file, e.g. bench/results/<time>-<names>.json", file=sys.stderr)
+            return 2
+        return _tables(Path(argv[1]))
     split = next((i for i, arg in enumerate(argv) if arg.startswith("-")), len(argv))
     only, flags = argv[:split], argv[split:]
     unknown = sorted(set(only) - set(BENCHMARKS))
@@ -66,26 +82,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chosen = [b for b in BENCHMARKS if not only or b in only]
     modules = {name: importlib.import_module(f"bench.{name}") for name in chosen}
-    flagless = [name for name, module in modules.items() if not _takes_flags(module)]
-    if flags and flagless:
-        print(f"{', '.join(flagless)} take(s) no flags; run the benchmarks given {' '.join(flags)} by name",
-              file=sys.stderr)
+    if {"-h", "--help"} & set(flags):
+        for name, module in modules.items():
+            parser_for(module.Config, name).print_help()
+            print()
+        return 0
+    # every benchmark reads the flags it knows; one that no chosen benchmark knows is a mistake,
+    # named before anything runs (a bad value exits 2 through argparse, naming the flag)
+    configs, left = {}, []
+    for name, module in modules.items():
+        configs[name], rest = parse_config(module.Config, flags, name, known_only=True)
+        left.append({arg for arg in rest if arg.startswith("-")})
+    not_taken = sorted(set.intersection(*left)) if left else []
+    if not_taken:
+        print(f"{', '.join(not_taken)}: no chosen benchmark ({', '.join(chosen)}) takes this flag; "
+              f"python -m bench NAME --help lists a benchmark's flags", file=sys.stderr)
         return 2
-    for module in modules.values():  # bad flags are named before anything runs (argparse exits 2)
-        if flags and hasattr(module, "config_from"):
-            module.config_from(flags)
     from onnxport import cpu_int8
 
     isa = cpu_int8()
     now = datetime.datetime.now(datetime.timezone.utc)
     results: dict = {"date": now.isoformat(timespec="seconds"), "machine": platform.platform(),
                      "processor": platform.processor(), "python": platform.python_version(),
-                     "isa": isa.isa, "vnni": isa.vnni, "cpu": isa.describe(), "flags": flags}
+                     "isa": isa.isa, "vnni": isa.vnni, "cpu": isa.describe(), "flags": flags,
+                     "configs": {name: dataclasses.asdict(config) for name, config in configs.items()}}
     # every table below was measured on this CPU: its INT8 kernels decide the figures
     print(f"CPU: {isa.describe()}\n", flush=True)
     for name, module in modules.items():
         start = time.perf_counter()
-        results[name] = module.run(flags) if _takes_flags(module) else module.run()
+        results[name] = module.run(configs[name])
         print(module.report(results[name]))
         print(f"  ({name}: {time.perf_counter() - start:.0f} s)\n", flush=True)
     RESULTS.mkdir(exist_ok=True)

@@ -10,7 +10,7 @@ def ort_latency_ms(path: str, feeds: dict, *, repeat: int = 30, warmup: int = 5)
     return ONNXModel(path).latency_ms(repeat=repeat, warmup=warmup, **feeds)
 
 
-def latencies(files: dict, batches: tuple[int, ...] = (1, 8), side: int = 224) -> dict[str, dict[str, float]]:
+def latencies(files: dict, batches: tuple[int, ...] = (1, 8), side: int = 224, repeat: int = 30) -> dict[str, dict[str, float]]:
     """``{name: {"batch1_ms": …, "batch8_ms": …}}`` for image models, every file fed the same input."""
     import torch
 
@@ -18,7 +18,7 @@ def latencies(files: dict, batches: tuple[int, ...] = (1, 8), side: int = 224) -
     for batch in batches:
         feeds = {"input": torch.randn(batch, 3, side, side).numpy()}
         for name, path in files.items():
-            table[name][f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds)
+            table[name][f"batch{batch}_ms"] = ort_latency_ms(str(path), feeds, repeat=repeat)
     return table
 
 

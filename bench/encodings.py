@@ -4,18 +4,18 @@
    blockwise int4 encodings (block 128), with and without ``prequantize_constants``.
 2. ``vs aimet``: the same 3.2 GB stack with per-channel int8 weights and uint8 activations, converted
    by onnxport and by aimet-onnx side by side (aimet-onnx is optional and installed separately:
-   set ``ONNXPORT_AIMET_PYTHON`` to a Python that has it, or install it here; the table says when
-   it is absent).
+   ``--aimet-python`` names a Python that has it, or install it here; the table says when it is
+   absent).
 3. ``7B``: a Llama-7B-shaped model (32 layers, hidden 4096, MLP 11008, vocabulary 32000: 27 GB of
    float32 weights), generated on the fly and deleted after, converted and saved end to end for
    2.0.0 int4 blockwise, LPBQ and per-channel int8 encodings, with and without prequantization;
    each output passes ``onnx.checker`` on its path and a sampled read-back of weights against
    integers computed here with NumPy. Skipped, with a message, when the disk has less than 2.5x
-   the model's size free (``--no-7b`` skips it too). With ``ONNXPORT_BENCH_BEFORE`` set to another
+   the model's size free (``--no-llama-7b`` skips it too). With ``--before`` naming another
    checkout of onnxport, each 7B case is also converted by that checkout, right before this one's,
    so a change is measured before and after in one run (``before`` in each case).
 
-    python -m bench.encodings [--small-only] [--no-7b]
+    python -m bench encodings [--sizes small] [--no-aimet] [--no-llama-7b] [--before ../other-checkout]
 """
 
 from __future__ import annotations
@@ -28,17 +28,39 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from bench._framework import cell, option, table
+
 SIZES = {"small": (8, 4096), "large": (64, 4096)}  # (tensors, square weight side): 0.5 GB and 4.3 GB
 AIMET_STACK = (48, 4096)  # 3.2 GB, per-channel int8
 LLAMA_7B = {"layers": 32, "hidden": 4096, "ffn": 11008, "vocab": 32000}
 BLOCK = 128
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        sizes: the stacked-MatMul cases (0.5 GB and 4.3 GB of weights).
+        aimet: the 3.2 GB per-channel case beside aimet-onnx.
+        llama_7b: the 27 GB Llama-7B-shaped case (needs 2.5x its size free on disk).
+        aimet_python: a Python with aimet-onnx (None: this one, if it has it).
+        before: another checkout of onnxport, measured just before this one in each 7B case.
+    """
+
+    sizes: tuple[str, ...] = option(("small", "large"), "stacked-MatMul cases, comma-separated", choices=("small", "large"))
+    aimet: bool = option(True, "the per-channel case beside aimet-onnx")
+    llama_7b: bool = option(True, "the 27 GB Llama-7B-shaped case")
+    aimet_python: str | None = option(None, "a Python with aimet-onnx installed (default: this one, if it has it)")
+    before: str | None = option(None, "another onnxport checkout, measured just before this one in each 7B case")
 
 
 # -- generated models ---------------------------------------------------------------------------------
@@ -174,8 +196,7 @@ def _child(tool: str, model: str, encodings: str, out: str, prequantize: bool) -
                       "peak_rss": _peak_rss()}))
 
 
-def _aimet_python() -> str | None:
-    chosen = os.environ.get("ONNXPORT_AIMET_PYTHON", sys.executable)
+def _aimet_python(chosen: str) -> str | None:
     found = subprocess.run([chosen, "-c", "import aimet_onnx"], capture_output=True, check=False).returncode == 0
     return chosen if found else None
 
@@ -241,15 +262,15 @@ def _stack_cases(scratch: Path, sizes: tuple[str, ...]) -> dict:
     return results
 
 
-def _aimet_case(scratch: Path) -> dict:
+def _aimet_case(scratch: Path, aimet_python: str | None) -> dict:
     n, side = AIMET_STACK
     model, encodings, weight_bytes = generate_stack(scratch / "aimet", n, side, ("int8",))
     row = {"weight_bytes": weight_bytes, "tensors": n}
     row["onnxport"] = _measure("onnxport", model, encodings["int8"], scratch / "aimet" / "ours" / "out.onnx", False)
-    python = _aimet_python()
+    python = _aimet_python(aimet_python or sys.executable)
     if python is None:
         row["aimet"] = None
-        row["note"] = "aimet-onnx is not installed (set ONNXPORT_AIMET_PYTHON to a Python that has it)"
+        row["note"] = "aimet-onnx is not installed (--aimet-python names a Python that has it)"
     else:
         row["aimet"] = _measure("aimet", model, encodings["int8"], scratch / "aimet" / "theirs" / "out.onnx", False, python)
         row["speedup_convert"] = row["aimet"]["convert_s"] / row["onnxport"]["convert_s"]
@@ -259,7 +280,7 @@ def _aimet_case(scratch: Path) -> dict:
     return row
 
 
-def _llama_case(scratch: Path) -> dict:
+def _llama_case(scratch: Path, before: str | None) -> dict:
     c = LLAMA_7B
     size = 4 * (c["layers"] * (4 * c["hidden"] ** 2 + 3 * c["hidden"] * c["ffn"]) + 2 * c["vocab"] * c["hidden"])
     free = shutil.disk_usage(scratch).free
@@ -268,7 +289,6 @@ def _llama_case(scratch: Path) -> dict:
     start = time.perf_counter()
     model, encodings, weight_bytes = generate_llama(scratch / "llama", ("int4", "lpbq", "int8"), **c)
     results = {"weight_bytes": weight_bytes, "generate_s": time.perf_counter() - start, "cases": {}}
-    before = os.environ.get("ONNXPORT_BENCH_BEFORE")
     if before:
         results["before_tree"] = before
     try:
@@ -292,58 +312,57 @@ def _llama_case(scratch: Path) -> dict:
     return results
 
 
-def run(sizes: tuple[str, ...] = ("small", "large"), aimet: bool = True, llama: bool = True) -> dict:
+def run(config: Config = Config()) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix="onnxport-bench-enc-"))
     try:
-        results = _stack_cases(scratch, sizes)
-        if aimet:
-            results["vs aimet"] = _aimet_case(scratch)
-        if llama:
-            results["7B"] = _llama_case(scratch)
+        results = _stack_cases(scratch, config.sizes)
+        if config.aimet:
+            results["vs aimet"] = _aimet_case(scratch, config.aimet_python)
+        if config.llama_7b:
+            results["7B"] = _llama_case(scratch, config.before)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return results
 
 
 def report(results: dict) -> str:
-    lines = ["encodings_to_onnx_qdq — stacked MatMul model, blockwise int4 weights (block 128), uint8 activations",
-             f"  {'case':<20} {'tensors':>7} {'weights':>9} {'convert s':>9} {'ms/tensor':>9} {'peak RSS':>9} {'RSS/weights':>11} {'save s':>7}"]
-    for name, r in results.items():
-        if name in ("vs aimet", "7B"):
-            continue
-        lines.append(f"  {name:<20} {r['tensors']:>7} {r['weight_bytes'] / 1e9:>8.2f}G {r['convert_s']:>9.2f} "
-                     f"{r['convert_ms_per_tensor']:>9.1f} {r['convert_peak_rss'] / 1e9:>8.2f}G {r['rss_fraction']:>10.1%} {r['save_s']:>7.1f}")
+    rows = [[name, r["tensors"], f"{r['weight_bytes'] / 1e9:.2f}G", f"{r['convert_s']:.2f}", f"{r['convert_ms_per_tensor']:.1f}",
+             f"{r['convert_peak_rss'] / 1e9:.2f}G", f"{r['rss_fraction']:.1%}", f"{r['save_s']:.1f}"]
+            for name, r in results.items() if name not in ("vs aimet", "7B")]
+    parts = [table(["case", "tensors", "weights", "convert s", "ms/tensor", "peak RSS", "RSS/weights", "save s"], rows,
+                   title="encodings_to_onnx_qdq — stacked MatMul model, blockwise int4 weights (block 128), uint8 activations")]
     row = results.get("vs aimet")
     if row:
-        lines.append(f"  vs aimet-onnx — {row['tensors']} per-channel int8 weights, {row['weight_bytes'] / 1e9:.2f} GB, convert / save / peak RSS:")
-        for tool in ("onnxport", "aimet"):
-            r = row[tool]
-            lines.append(f"    {tool:<9} " + ("absent: " + row["note"] if r is None else
-                         f"{r['convert_s']:.2f} s / {r['save_s']:.1f} s / {r['peak_rss'] / 1e9:.2f} GB"))
-        if row.get("speedup_convert"):
-            lines.append(f"    onnxport is {row['speedup_convert']:.1f}x faster to convert, {row['speedup_end_to_end']:.1f}x end to end")
+        tools = [[tool, *(["absent: " + row["note"], "", ""] if row[tool] is None else
+                          [f"{row[tool]['convert_s']:.2f}", f"{row[tool]['save_s']:.1f}", f"{row[tool]['peak_rss'] / 1e9:.2f}"])]
+                 for tool in ("onnxport", "aimet")]
+        notes = ([f"onnxport is {row['speedup_convert']:.1f}x faster to convert, {row['speedup_end_to_end']:.1f}x end to end"]
+                 if row.get("speedup_convert") else [])
+        parts.append(table(["tool", "convert s", "save s", "peak RSS GB"], tools, notes=notes,
+                           title=f"vs aimet-onnx — {row['tensors']} per-channel int8 weights, {row['weight_bytes'] / 1e9:.2f} GB"))
     big = results.get("7B")
-    if big:
-        if "skipped" in big:
-            lines.append(f"  7B: skipped — {big['skipped']}")
-        else:
-            lines.append(f"  7B-shaped model, {big['weight_bytes'] / 1e9:.1f} GB float32 weights (generated in {big['generate_s']:.0f} s):")
-            lines.append(f"    {'case':<18} {'convert s':>9} {'convert RSS':>11} {'save s':>7} {'peak RSS':>9} {'RSS/weights':>11} {'file':>8}")
-            for name, r in big["cases"].items():
-                lines.append(f"    {name:<18} {r['convert_s']:>9.1f} {r['convert_peak_rss'] / 1e9:>10.2f}G {r['save_s']:>7.1f} "
-                             f"{r['peak_rss'] / 1e9:>8.2f}G {r['peak_rss'] / big['weight_bytes']:>10.1%} {r['file_bytes'] / 1e9:>7.1f}G")
-                if r.get("before"):
-                    b = r["before"]
-                    lines.append(f"    {'  before':<18} {b['convert_s']:>9.1f} {b['convert_peak_rss'] / 1e9:>10.2f}G {b['save_s']:>7.1f} "
-                                 f"{b['peak_rss'] / 1e9:>8.2f}G {b['peak_rss'] / big['weight_bytes']:>10.1%}")
-            if big.get("before_tree"):
-                lines.append(f"    (before: the checkout at {big['before_tree']}, measured just before each case)")
-    return "\n".join(lines)
+    if big and "skipped" in big:
+        parts.append(f"7B: skipped — {big['skipped']}")
+    elif big:
+        cases = []
+        for name, r in big["cases"].items():
+            for label, f in ((name, r), (f"{name}, before", r.get("before"))):
+                if f:
+                    cases.append([label, f"{f['convert_s']:.1f}", f"{f['convert_peak_rss'] / 1e9:.2f}G", f"{f['save_s']:.1f}",
+                                  f"{f['peak_rss'] / 1e9:.2f}G", f"{f['peak_rss'] / big['weight_bytes']:.1%}",
+                                  cell(f.get("file_bytes", 0) / 1e9 if "file_bytes" in f else None, ".1f")])
+        notes = ([f"(before: the checkout at {big['before_tree']}, measured just before each case)"]
+                 if big.get("before_tree") else [])
+        parts.append(table(["case", "convert s", "convert RSS", "save s", "peak RSS", "RSS/weights", "file GB"], cases, notes=notes,
+                           title=f"7B-shaped model, {big['weight_bytes'] / 1e9:.1f} GB float32 weights "
+                                 f"(generated in {big['generate_s']:.0f} s)"))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6] == "True")
     else:
-        small = "--small-only" in sys.argv
-        print(report(run(("small",) if small else ("small", "large"), aimet=not small, llama=not small and "--no-7b" not in sys.argv)))
+        from bench.__main__ import main
+
+        sys.exit(main(["encodings", *sys.argv[1:]]))

@@ -4,10 +4,11 @@ peak memory, ONNX Runtime sessions and whole-model proto copies, on ResNet-50 (2
 
 Time: the model is built and quantized once in a process; after one warm-up export of each
 kind, bare and ours alternate five times (median reported), so both sides see the same machine.
-Peak memory: one export in a fresh process each, counted from the quantized model in memory. Set ``ONNXPORT_BENCH_AGAINST=/path/to/other/checkout`` to add a column for another
-onnxport (an older commit) measured in the same run.
+Peak memory: one export in a fresh process each, counted from the quantized model in memory.
+``--against /path/to/other/checkout`` adds rows for another onnxport (an older commit) measured in
+the same run.
 
-    python -m bench export_overhead
+    python -m bench export_overhead [--models BERT] [--repeats 9] [--against ../older-checkout]
 """
 
 from __future__ import annotations
@@ -17,11 +18,33 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from bench._framework import option, table
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("ResNet-50", "BERT")
 REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        models: ResNet-50 and/or the 4-layer BERT.
+        repeats: alternating bare / export_qdq exports behind each median.
+        against: another onnxport checkout measured in the same run (None: none).
+    """
+
+    models: tuple[str, ...] = option(MODELS, "models, comma-separated", choices=MODELS)
+    repeats: int = option(REPEATS, "alternating bare / export_qdq exports behind each median")
+    against: str | None = option(None, "another onnxport checkout, measured in the same run")
+
+    def check(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
 
 _CHILD = r"""
 import json, statistics, sys, tempfile, time, warnings
@@ -107,26 +130,25 @@ print(json.dumps(result))
 """
 
 
-def _child(model: str, checkout: Path | None, mode: str = "time") -> dict:
+def _child(model: str, checkout: Path | None, mode: str = "time", repeats: int = REPEATS) -> dict:
     env = dict(os.environ)
     if checkout is not None:
         env["PYTHONPATH"] = f"{checkout}{os.pathsep}{env.get('PYTHONPATH', '')}"
     with tempfile.TemporaryDirectory() as cwd:  # so that the current folder does not decide which onnxport loads
-        done = subprocess.run([sys.executable, "-c", _CHILD, model, str(HERE.parent), str(REPEATS), mode],
+        done = subprocess.run([sys.executable, "-c", _CHILD, model, str(HERE.parent), str(repeats), mode],
                               capture_output=True, text=True, env=env, cwd=cwd, check=False)
     if done.returncode:
         raise RuntimeError(f"{model}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run() -> dict:
-    against = os.environ.get("ONNXPORT_BENCH_AGAINST")
-    results: dict = {}
-    for model in MODELS:
+def run(config: Config = Config()) -> dict:
+    results: dict = {"_repeats": config.repeats}
+    for model in config.models:
         entry = {}
-        checkouts = [("", None)] + ([(" (other checkout)", Path(against))] if against else [])
+        checkouts = [("", None)] + ([(" (other checkout)", Path(config.against))] if config.against else [])
         for label, checkout in checkouts:
-            measured = _child(model, checkout)
+            measured = _child(model, checkout, repeats=config.repeats)
             bare, ours = measured["bare"], measured["export_qdq"]
             bare["peak_above_start"] = _child(model, checkout, "bare")["peak_above_start"]
             ours["peak_above_start"] = _child(model, checkout, "ours")["peak_above_start"]
@@ -141,22 +163,19 @@ def run() -> dict:
 
 
 def report(results: dict) -> str:
-    lines = [("export_qdq against a bare torch.onnx.export of the same pt2e model (interleaved in one process, "
-              f"median of {REPEATS})"),
-             (f"  {'model':<10} {'exporter':<28} {'seconds':>8} {'x bare':>7} {'onnxport s':>10} {'x bare*':>7} {'peak MB':>8} "
-              f"{'x bare':>7} {'ORT sessions':>12} {'proto copies':>12}")]
-    for model, entry in results.items():
-        for name, f in entry.items():
-            lines.append(
-                f"  {model:<10} {name:<28} {f['seconds']:>8.1f} {f.get('time_vs_bare', 1.0):>7.2f} "
-                f"{f.get('onnxport_s', 0.0):>10.2f} {f.get('checks_vs_bare', 1.0):>7.2f} "
-                f"{f['peak_above_start'] / 2**20:>8.0f} {f.get('peak_vs_bare', 1.0):>7.2f} {f['sessions']:>12} "
-                f"{f['proto_copies']:>12}"
-            )
-    lines.append("  (onnxport s: export_qdq's time outside the torch exporter; x bare*: bare + that, over bare —"
-                 " the overhead without the exporter's run-to-run noise)")
-    return "\n".join(lines)
+    rows = [[model, name, f"{f['seconds']:.1f}", f"{f.get('time_vs_bare', 1.0):.2f}", f"{f.get('onnxport_s', 0.0):.2f}",
+             f"{f.get('checks_vs_bare', 1.0):.2f}", f"{f['peak_above_start'] / 2**20:.0f}", f"{f.get('peak_vs_bare', 1.0):.2f}",
+             f["sessions"], f["proto_copies"]]
+            for model, entry in results.items() if not model.startswith("_") for name, f in entry.items()]
+    return table(["model", "exporter", "seconds", "x bare", "onnxport s", "x bare*", "peak MB", "x bare (peak)",
+                  "ORT sessions", "proto copies"], rows,
+                 title=("export_qdq against a bare torch.onnx.export of the same pt2e model (interleaved in one process, "
+                        f"median of {results.get('_repeats', REPEATS)})"),
+                 notes=[("onnxport s: export_qdq's time outside the torch exporter; x bare*: bare + that, over bare — "
+                        "the overhead without the exporter's run-to-run noise")])
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["export_overhead", *sys.argv[1:]]))

@@ -9,19 +9,42 @@ same run, and returns the figures as a dict (``python -m bench`` collects them).
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench._framework import cell, option, scratch, table
 from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18
 
 
-def run(out_dir: Path | None = None) -> dict:
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        repeat: ONNX Runtime runs behind each median latency.
+        out_dir: where the files are written and kept (None: a temporary folder, removed).
+    """
+
+    repeat: int = option(30, "ONNX Runtime runs behind each median latency")
+    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
+
+    def check(self) -> None:
+        if self.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
+
+
+def run(config: Config = Config()) -> dict:
+    with scratch(config.out_dir, "onnxport-bench-") as out:
+        return _measure(config, out)
+
+
+def _measure(config: Config, out: Path) -> dict:
     from onnxport import export_onnx
     from onnxport.inspection.stats import ort_optimised_ops
 
@@ -29,7 +52,6 @@ def run(out_dir: Path | None = None) -> dict:
     model = ResNet18().eval()
     sample = torch.randn(1, 3, 224, 224)
     calibration = [torch.randn(8, 3, 224, 224) for _ in range(4)]
-    out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-"))
     files = {}
     export_s = {}
     for name, kwargs in [
@@ -40,7 +62,7 @@ def run(out_dir: Path | None = None) -> dict:
         start = time.perf_counter()
         files[name] = export_onnx(model, sample, out / f"resnet18_{name}.onnx", **kwargs)
         export_s[name] = time.perf_counter() - start
-    results: dict = {"model": "ResNet-18 224x224", "files": latencies(files)}
+    results: dict = {"repeat": config.repeat, "model": "ResNet-18 224x224", "files": latencies(files, repeat=config.repeat)}
     for name, path in files.items():
         entry = results["files"][name]
         entry["export_s"] = export_s[name]
@@ -52,17 +74,14 @@ def run(out_dir: Path | None = None) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = [
-        f"export_onnx — {results['model']}, ONNX Runtime CPU, median of 30 runs",
-        f"{'file':<14} {'MB':>6} {'export s':>9} {'b1 ms':>8} {'b1 ×FP32':>9} {'b8 ms':>8} {'b8 ×FP32':>9} {'QLinearConv':>12}",
-    ]
-    for name, e in results["files"].items():
-        lines.append(
-            f"{name:<14} {e['size_mb']:>6.1f} {e['export_s']:>9.1f} {e['batch1_ms']:>8.2f} {e['batch1_speedup']:>8.2f}× "
-            f"{e['batch8_ms']:>8.2f} {e['batch8_speedup']:>8.2f}× {e['ort_qlinearconv']:>12}"
-        )
-    return "\n".join(lines)
+    rows = [[name, cell(e["size_mb"], ".1f"), cell(e["export_s"], ".1f"), cell(e["batch1_ms"], ".2f"),
+             cell(e["batch1_speedup"], ".2f"), cell(e["batch8_ms"], ".2f"), cell(e["batch8_speedup"], ".2f"),
+             e["ort_qlinearconv"]] for name, e in results["files"].items()]
+    return table(["file", "MB", "export s", "b1 ms", "b1 x FP32", "b8 ms", "b8 x FP32", "QLinearConv"], rows,
+                 title=f"export_onnx — {results['model']}, ONNX Runtime CPU, median of {results.get('repeat', 30)} runs")
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["float_export", *sys.argv[1:]]))

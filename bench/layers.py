@@ -2,7 +2,7 @@
 on ResNet-50 (224×224) and a 4-layer BERT (hidden 256, Hugging Face ``transformers`` built from a
 config with random weights: optional, the table says when it is absent).
 
-    python -m bench.layers
+    python -m bench layers [--models ResNet-50,BERT] [--budget-margin 0.5]
 """
 
 from __future__ import annotations
@@ -11,10 +11,31 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from bench._framework import option, table
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        models: ResNet-50 and/or the 4-layer BERT.
+        budget_margin: the budget search's target, as a fraction of the way from the fully
+            quantized model's cosine to the best any set of float layers reaches.
+    """
+
+    models: tuple[str, ...] = option(("ResNet-50", "BERT"), "models, comma-separated", choices=("ResNet-50", "BERT"))
+    budget_margin: float = option(0.5, "the budget: this fraction of the way from fully quantized to the best float set")
+
+    def check(self) -> None:
+        if not 0.0 <= self.budget_margin <= 1.0:
+            raise ValueError("--budget-margin must lie in [0, 1]")
 
 
 class Bottleneck(nn.Module):
@@ -123,39 +144,45 @@ def _case(name: str, model: nn.Module, calibration: list, sample: torch.Tensor, 
     }
 
 
-def run() -> dict:
+def run(config: Config = Config()) -> dict:
     warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
     results = {}
-    resnet = ResNet50().eval()
-    images = torch.randn(9, 3, 224, 224)
-    results["ResNet-50"] = _case("resnet50", resnet, [images[i:i + 4] for i in range(0, 8, 4)], images[8:9], 0.5)
-    bert = _bert()
-    if bert is None:
-        results["BERT"] = {"skipped": "transformers is not installed (pip install transformers)"}
-    else:
-        tokens = torch.randint(0, 2000, (17, 32))
-        results["BERT"] = _case("bert", bert, [tokens[i:i + 8] for i in range(0, 16, 8)], tokens[16:17], 0.5)
+    if "ResNet-50" in config.models:
+        torch.manual_seed(0)
+        resnet = ResNet50().eval()
+        images = torch.randn(9, 3, 224, 224)
+        results["ResNet-50"] = _case("resnet50", resnet, [images[i:i + 4] for i in range(0, 8, 4)], images[8:9],
+                                     config.budget_margin)
+    if "BERT" in config.models:
+        torch.manual_seed(0)
+        bert = _bert()
+        if bert is None:
+            results["BERT"] = {"skipped": "transformers is not installed (pip install transformers)"}
+        else:
+            tokens = torch.randint(0, 2000, (17, 32))
+            results["BERT"] = _case("bert", bert, [tokens[i:i + 8] for i in range(0, 16, 8)], tokens[16:17],
+                                    config.budget_margin)
     return results
 
 
 def report(results: dict) -> str:
-    lines = ["compare_layers vs compare_qdq, sensitivity and the budget search (batch 1)",
-             (f"  {'model':<10} {'tensors':>7} {'qdq s':>7} {'layers s':>8} {'ratio':>6} {'layers':>6} {'s/layer':>7} "
-             f"{'budget trials':>13} {'budget s':>8} {'float layers':>12}")]
+    rows, notes = [], []
     for name, r in results.items():
         if "skipped" in r:
-            lines.append(f"  {name:<10} skipped: {r['skipped']}")
+            rows.append([name, f"skipped: {r['skipped']}", *[""] * 8])
             continue
         b = r["budget"]
-        chosen = "refused" if "refused" in b else str(len(b["float_layers"]))
-        lines.append(f"  {name:<10} {r['tensors']:>7} {r['compare_qdq_s']:>7.2f} {r['compare_layers_s']:>8.2f} {r['ratio']:>5.2f}x "
-                     f"{r['layers']:>6} {r['sensitivity_s_per_layer']:>7.2f} {b.get('trials', '-'):>13} {b['seconds']:>8.1f} {chosen:>12}")
-        over = r["first_over_one_step"]
-        lines.append(f"    output {r['output_steps'] or 0:.1f} steps from the model; first defect: {r['first_divergence']}; "
-                     f"first tensor over one step: {over}")
-    return "\n".join(lines)
+        rows.append([name, r["tensors"], f"{r['compare_qdq_s']:.2f}", f"{r['compare_layers_s']:.2f}", f"{r['ratio']:.2f}x",
+                     r["layers"], f"{r['sensitivity_s_per_layer']:.2f}", b.get("trials", "-"), f"{b['seconds']:.1f}",
+                     "refused" if "refused" in b else len(b["float_layers"])])
+        notes.append(f"{name}: output {r['output_steps'] or 0:.1f} steps from the model; first defect: "
+                     f"{r['first_divergence']}; first tensor over one step: {r['first_over_one_step']}")
+    return table(["model", "tensors", "qdq s", "layers s", "ratio", "layers", "s/layer", "budget trials", "budget s",
+                  "float layers"], rows, notes=notes,
+                 title="compare_layers vs compare_qdq, sensitivity and the budget search (batch 1)")
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["layers", *sys.argv[1:]]))

@@ -10,10 +10,12 @@ bandwidth (weight bytes read per token — the files' bytes less all but one row
 embedding table — ÷ time per token) against this machine's memory-copy bandwidth. Export peak memory is measured in a fresh process too.
 
 onnxruntime-genai needs its own environment (its builder imports a newer transformers than some
-pins allow; it needs a tokenizer, built here locally): point ``ONNXPORT_BENCH_GENAI_PYTHON`` at a
-Python with ``onnxruntime-genai``, ``torch``, ``transformers``, ``onnx`` and ``onnx-ir``; without it
-the builder's columns are skipped. ``ONNXPORT_BENCH_LLM_SIZES`` picks sizes by index ("0,1"),
-``ONNXPORT_BENCH_LLM_OURS`` our files ("fp32,int4:ort-cpu").
+pins allow; it needs a tokenizer, built here locally): point ``--genai-python`` at a Python with
+``onnxruntime-genai``, ``torch``, ``transformers``, ``onnx`` and ``onnx-ir``; without it the
+builder's columns are skipped. ``--sizes`` picks sizes by name, ``--ours`` our files
+(``fp32,int4:ort-cpu``: precision, then the flavour when it is not 'portable').
+
+    python -m bench llm --sizes "llama 42M" --ours fp32,int4:ort-cpu --genai-python /tmp/genai/bin/python
 The bench also runs our folder (with its ``genai_config.json``) in onnxruntime-genai's generator
 and checks its tokens equal ``onnxport.generate``'s.
 """
@@ -27,9 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from bench._framework import cell, option, table
 
 PROMPT, NEW, ROUNDS = 128, 64, 3
 SIZES = {
@@ -41,10 +46,34 @@ SIZES = {
                                      "num_attention_heads": 32, "num_key_value_heads": 4},
 }
 VOCAB = 32000
-#: our files, (precision, flavour); ONNXPORT_BENCH_LLM_OURS="fp32,int4,int4:ort-cpu" picks some
-OURS = [("fp32", "portable"), ("int4", "portable"), ("fp32", "ort-cpu"), ("int4", "ort-cpu"), ("fp16", "portable")]
-if os.environ.get("ONNXPORT_BENCH_LLM_OURS"):
-    OURS = [tuple((item + ":portable").split(":")[:2]) for item in os.environ["ONNXPORT_BENCH_LLM_OURS"].split(",")]
+#: our files, ``precision[:flavour]`` (the flavour 'portable' unless named)
+OURS = ("fp32", "int4", "fp32:ort-cpu", "int4:ort-cpu", "fp16")
+_CHOICES = tuple(f"{p}{f}" for p in ("fp32", "fp16", "int8", "int4") for f in ("", ":portable", ":ort-cpu"))
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        sizes: the Llama shapes.
+        ours: our files, ``precision[:flavour]``.
+        rounds: rotating rounds (each figure is the median over them).
+        genai_python: a Python with onnxruntime-genai, for its builder's files (None: skipped).
+    """
+
+    sizes: tuple[str, ...] = option(tuple(SIZES), "Llama shapes, comma-separated", choices=tuple(SIZES))
+    ours: tuple[str, ...] = option(OURS, "our files, precision[:flavour], comma-separated", choices=_CHOICES)
+    rounds: int = option(ROUNDS, "rotating rounds (each figure is the median over them)")
+    genai_python: str | None = option(None, "a Python with onnxruntime-genai (its builder's columns; default: skipped)")
+
+    def check(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
+
+    def files(self) -> list[tuple[str, str]]:
+        """Our files as (precision, flavour)."""
+        return [(item.partition(":")[0], item.partition(":")[2] or "portable") for item in self.ours]
 
 _PEAK = r"""
 def peak():
@@ -183,12 +212,13 @@ def _weights(folder: Path, name: str) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.name.startswith(name))
 
 
-def _one(name: str, config: dict, scratch: Path, genai_python: str | None, bandwidth: float) -> dict:
+def _one(name: str, config: dict, scratch: Path, chosen: Config, bandwidth: float) -> dict:
     hf = scratch / "hf"
     float_bytes = _build(config, hf)
     result: dict = {"float_bytes": float_bytes, "exports": {}, "runs": {}}
     files: dict[str, tuple[str, Path, str]] = {}  # label -> (runner, folder or file, weights file prefix)
-    for precision, flavour in OURS:
+    genai_python = chosen.genai_python
+    for precision, flavour in chosen.files():
         label = f"ours {precision}" + (f" {flavour}" if flavour != "portable" else "")
         out = scratch / label.replace(" ", "-")
         figures = _python(_EXPORT, hf, out, precision, flavour)
@@ -214,7 +244,7 @@ def _one(name: str, config: dict, scratch: Path, genai_python: str | None, bandw
     prompt = json.dumps(np.random.default_rng(0).integers(3, VOCAB, PROMPT).tolist())
     runs: dict[str, list[dict]] = {label: [] for label in files}
     labels = list(files)
-    for round_ in range(ROUNDS):
+    for round_ in range(chosen.rounds):
         for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
             runner, path, _ = files[label]
             if runner == "ours":
@@ -232,8 +262,8 @@ def _one(name: str, config: dict, scratch: Path, genai_python: str | None, bandw
         runner, path, prefix = files[label]
         folder = path.parent if path.is_file() else path
         # a token reads every weight once, except the embedding table: one row of it
-        table = VOCAB * SIZES[name]["hidden_size"] * 4
-        weight_bytes = _weights(folder, prefix) - table + table // VOCAB
+        embedding = VOCAB * SIZES[name]["hidden_size"] * 4
+        weight_bytes = _weights(folder, prefix) - embedding + embedding // VOCAB
         tok_s = statistics.median(f["decode_tok_s"] for f in good)
         result["runs"][label] = {
             "prefill_ms": statistics.median(f["prefill_ms"] for f in good),
@@ -254,39 +284,28 @@ def _one(name: str, config: dict, scratch: Path, genai_python: str | None, bandw
     return result
 
 
-def run() -> dict:
-    genai_python = os.environ.get("ONNXPORT_BENCH_GENAI_PYTHON")
-    chosen = os.environ.get("ONNXPORT_BENCH_LLM_SIZES")
-    names = list(SIZES)
-    if chosen:
-        names = [names[int(i)] for i in chosen.split(",")]
+def run(config: Config = Config()) -> dict:
     results: dict = {"copy_bandwidth_gb_s": _copy_bandwidth() / 1e9, "prompt": PROMPT, "new_tokens": NEW,
-                     "rounds": ROUNDS, "genai": bool(genai_python), "models": {}}
-    for name in names:
+                     "rounds": config.rounds, "genai": bool(config.genai_python), "models": {}}
+    for name in config.sizes:
         with tempfile.TemporaryDirectory() as scratch:
-            results["models"][name] = _one(name, SIZES[name], Path(scratch), genai_python,
+            results["models"][name] = _one(name, SIZES[name], Path(scratch), config,
                                            results["copy_bandwidth_gb_s"] * 1e9)
             print(f"  {name} done", flush=True)
     return results
 
 
 def report(results: dict) -> str:
-    lines = [(f"LLM decoders, prompt {results['prompt']}, {results['new_tokens']} new tokens, batch 1, greedy; median of "
-              f"{results['rounds']} rounds, each file in its own process, rotating order; memory copy "
-              f"{results['copy_bandwidth_gb_s']:.1f} GB/s"),
-             "| model | file | prefill ms | decode tok/s | peak GB | decode bandwidth / copy | export s | export peak / float |",
-             "|---|---|---|---|---|---|---|---|"]
+    rows, notes = [], []
     for name, entry in results["models"].items():
         for label, run in entry["runs"].items():
             export = entry["exports"].get(label, {})
             if "error" in run:
-                lines.append(f"| {name} | {label} | {run['error']} | | | | | |")
+                rows.append([name, label, run["error"], "", "", "", "", ""])
                 continue
-            lines.append(
-                f"| {name} | {label} | {run['prefill_ms']:.1f} | {run['decode_tok_s']:.1f} | {run['peak'] / 1e9:.2f} | "
-                f"{run['decode_bandwidth_vs_copy']:.2f} | {export.get('export_s', float('nan')):.0f} | "
-                f"{export.get('peak_vs_float_weights', float('nan')):.2f} |"
-            )
+            rows.append([name, label, f"{run['prefill_ms']:.1f}", f"{run['decode_tok_s']:.1f}", f"{run['peak'] / 1e9:.2f}",
+                         f"{run['decode_bandwidth_vs_copy']:.2f}", cell(export.get("export_s"), ".0f"),
+                         cell(export.get("peak_vs_float_weights"), ".2f")])
         runs = entry["runs"]
         for ours, theirs in (("ours int4", "genai builder int4"), ("ours int4 ort-cpu", "genai builder int4"),
                              ("ours fp32", "genai builder fp32"), ("ours fp32 ort-cpu", "genai builder fp32"),
@@ -294,14 +313,25 @@ def report(results: dict) -> str:
                              ("ours fp16", "ours fp32")):
             a, b = runs.get(ours, {}), runs.get(theirs, {})
             if "decode_tok_s" in a and "decode_tok_s" in b:
-                lines.append(f"  {name}: {ours} / {theirs}: decode {a['decode_tok_s'] / b['decode_tok_s']:.2f}x tokens/s, "
+                notes.append(f"{name}: {ours} / {theirs}: decode {a['decode_tok_s'] / b['decode_tok_s']:.2f}x tokens/s, "
                              f"prefill {a['prefill_ms'] / b['prefill_ms']:.2f}x latency")
         for label, export in entry["exports"].items():
             if "error" in export:
-                lines.append(f"  {name}: {label} export failed: {export['error']}")
+                notes.append(f"{name}: {label} export failed: {export['error']}")
         checked = entry.get("genai_runs_our_files") or ({"ours fp32": entry["genai_runs_our_file"]}
                                                         if "genai_runs_our_file" in entry else {})
         for label, (same, error) in checked.items():
-            lines.append(f"  {name}: onnxruntime-genai runs our {label[5:]} folder (genai_config.json): "
+            notes.append(f"{name}: onnxruntime-genai runs our {label[5:]} folder (genai_config.json): "
                          + ("same tokens as onnxport.generate" if same else f"NOT the same tokens ({error or 'differ'})"))
-    return "\n".join(lines)
+    return table(["model", "file", "prefill ms", "decode tok/s", "peak GB", "decode bandwidth / copy", "export s",
+                  "export peak / float"], rows, notes=notes, title=(
+        f"LLM decoders, prompt {results['prompt']}, {results['new_tokens']} new tokens, batch 1, greedy; median of "
+        f"{results['rounds']} rounds, each file in its own process, rotating order; memory copy "
+        f"{results['copy_bandwidth_gb_s']:.1f} GB/s"))
+
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    sys.exit(main(["llm", *sys.argv[1:]]))

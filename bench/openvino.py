@@ -11,32 +11,53 @@ comes, as OpenVINO runs it, to the model it was made from (ours: the pt2e model;
 float model, which is all NNCF promises), and to the float model.
 
 NNCF is installed in an environment of its own (its pins differ from this project's); point
-``ONNXPORT_BENCH_NNCF_PYTHON`` at its interpreter:
+``--nncf-python`` at its interpreter:
 
     python3 -m venv /tmp/nncf && /tmp/nncf/bin/pip install nncf openvino onnx
-    ONNXPORT_BENCH_NNCF_PYTHON=/tmp/nncf/bin/python python -m bench openvino
+    python -m bench openvino --nncf-python /tmp/nncf/bin/python
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._framework import cell, option, scratch, table
 from bench.zoo import each_model
 
 MODELS = ("ResNet-50", "MobileNetV2", "BERT 4x256")
-ROUNDS, WARMUP, RUNS = int(os.environ.get("ONNXPORT_BENCH_OV_ROUNDS", "8")), 3, 6
+WARMUP, RUNS = 3, 6
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        models: zoo models quantized both ways.
+        rounds: latency rounds (each file once per round, the order rotating).
+        nncf_python: a Python with NNCF and OpenVINO, for NNCF's column (None: skipped).
+        out_dir: keep the files in this folder (None: a temporary one, removed).
+    """
+
+    models: tuple[str, ...] = option(MODELS, "zoo models, comma-separated", choices=MODELS)
+    rounds: int = option(8, "latency rounds (each file once per round, the order rotating)")
+    nncf_python: str | None = option(None, "a Python with nncf and openvino installed (NNCF's column; default: skipped)")
+    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
+
+    def check(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
 
 #: run by NNCF's interpreter: the float file → OpenVINO model → nncf.quantize → IR
 _NNCF = r"""
@@ -69,12 +90,12 @@ def _int8_layers(compiled) -> dict[str, str]:
             for layer in sorted({key[0] for key in counts})}
 
 
-def _latencies(files: dict[str, Path], data: np.ndarray) -> dict[str, list[float]]:
+def _latencies(files: dict[str, Path], data: np.ndarray, rounds_wanted: int) -> dict[str, list[float]]:
     import gc
 
     rounds: dict[str, list[float]] = {name: [] for name in files}
     names = list(files)
-    for turn in range(ROUNDS):
+    for turn in range(rounds_wanted):
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             compiled = _compile(files[name])
             request = compiled.create_infer_request()
@@ -96,7 +117,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def _one(entry, out: Path, nncf_python: str | None) -> dict:
+def _one(entry, out: Path, config: Config) -> dict:
     import torch
 
     from onnxport import Quantizer, export_onnx, export_qdq
@@ -108,6 +129,7 @@ def _one(entry, out: Path, nncf_python: str | None) -> dict:
     quantized = Quantizer(target="openvino").quantize(model, calibration)
     files["ours"] = export_qdq(quantized, sample, out / "openvino.onnx", dynamic_batch=True)
     result: dict = {}
+    nncf_python = config.nncf_python
     if nncf_python:
         np.savez(out / "calibration.npz", **{f"b{i}": b.numpy() for i, b in enumerate(calibration)})
         done = subprocess.run([nncf_python, "-c", _NNCF, str(files["fp32"]), str(out / "calibration.npz"),
@@ -130,7 +152,7 @@ def _one(entry, out: Path, nncf_python: str | None) -> dict:
         if name == "ours":
             result["cosine"][name]["vs_pt2e"] = _cosine(got, pt2e_out)
             result["cosine"][name]["top1_vs_pt2e"] = float((got.argmax(-1) == pt2e_out.argmax(-1)).mean())
-    rounds = _latencies(files, sample.numpy())
+    rounds = _latencies(files, sample.numpy(), config.rounds)
     result["latency_ms"] = {name: statistics.median(ms) for name, ms in rounds.items()}
     result["speedup"] = {name: statistics.median(f / t for f, t in zip(rounds["fp32"], ms)) for name, ms in rounds.items()}
     if "nncf" in rounds:
@@ -138,38 +160,39 @@ def _one(entry, out: Path, nncf_python: str | None) -> dict:
     return result
 
 
-def run() -> dict:
+def run(config: Config = Config()) -> dict:
     import logging
 
     from onnxport import cpu_int8
 
     logging.getLogger("torch").setLevel(logging.ERROR)
-    nncf_python = os.environ.get("ONNXPORT_BENCH_NNCF_PYTHON")
-    out = Path(tempfile.mkdtemp(prefix="onnxport-bench-openvino-"))
-    results: dict = {"_isa": cpu_int8().describe(), "_nncf": nncf_python or "not set (ONNXPORT_BENCH_NNCF_PYTHON)"}
-    chosen = [n.strip() for n in os.environ.get("ONNXPORT_BENCH_OV", ",".join(MODELS)).split(",") if n.strip()]
-    results.update(each_model(chosen, out, lambda entry, folder: _one(entry, folder, nncf_python)))
+    results: dict = {"_isa": cpu_int8().describe(), "_nncf": config.nncf_python or "not given (--nncf-python)",
+                     "_rounds": config.rounds}
+    with scratch(config.out_dir, "onnxport-bench-openvino-") as out:
+        results.update(each_model(config.models, out, lambda entry, folder: _one(entry, folder, config)))
     return results
 
 
 def report(results: dict) -> str:
-    lines = [
-        "target='openvino' against NNCF's quantize of the same model, in OpenVINO's CPU plugin (x = FP32 latency /",
-        "file latency, median of the rounds' ratios; ours/NNCF = NNCF latency / ours), batch 1.",
-        f"CPU: {results.get('_isa', 'see the run results file')}; NNCF: {results.get('_nncf')}",
-        "",
-        "| model | ours | NNCF | ours / NNCF | ours vs pt2e (cos, top-1) | ours vs float | NNCF vs float | INT8 layers (ours) | INT8 layers (NNCF) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, e in results.items():
         if name.startswith("_"):
             continue
         s, c, layers = e["speedup"], e["cosine"], e["int8_layers"]
-        nncf = f"{s['nncf']:.2f}x" if "nncf" in s else e.get("nncf_error", "-")
-        lines.append(
-            f"| {name} | {s['ours']:.2f}x | {nncf} | {e.get('ours_vs_nncf', float('nan')):.2f} "
-            f"| {c['ours']['vs_pt2e']:.6f}, {c['ours']['top1_vs_pt2e']:.2f} | {c['ours']['vs_float']:.4f} "
-            f"| {c.get('nncf', {}).get('vs_float', float('nan')):.4f} "
-            f"| {', '.join(f'{k} {v}' for k, v in layers['ours'].items())} "
-            f"| {', '.join(f'{k} {v}' for k, v in layers.get('nncf', {}).items()) or '-'} |")
-    return "\n".join(lines)
+        rows.append([name, f"{s['ours']:.2f}x", f"{s['nncf']:.2f}x" if "nncf" in s else e.get("nncf_error", "-"),
+                     cell(e.get("ours_vs_nncf"), ".2f"), f"{c['ours']['vs_pt2e']:.6f}, {c['ours']['top1_vs_pt2e']:.2f}",
+                     cell(c["ours"]["vs_float"], ".4f"), cell(c.get("nncf", {}).get("vs_float"), ".4f"),
+                     ", ".join(f"{k} {v}" for k, v in layers["ours"].items()),
+                     ", ".join(f"{k} {v}" for k, v in layers.get("nncf", {}).items()) or "-"])
+    return table(["model", "ours", "NNCF", "ours / NNCF", "ours vs pt2e (cos, top-1)", "ours vs float", "NNCF vs float",
+                  "INT8 layers (ours)", "INT8 layers (NNCF)"], rows, title=[
+        "target='openvino' against NNCF's quantize of the same model, in OpenVINO's CPU plugin (x = FP32 latency /",
+        "file latency, median of the rounds' ratios; ours/NNCF = NNCF latency / ours), batch 1.",
+        f"CPU: {results.get('_isa', 'see the run results file')}; NNCF: {results.get('_nncf')}"])
+
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    sys.exit(main(["openvino", *sys.argv[1:]]))

@@ -17,14 +17,11 @@ families ``quantize='dynamic'`` (ours) against ``quantize_dynamic``, vision fami
 against ``quantize_static`` (QDQ, per channel, the same images). Their speed is timed interleaved
 with the float files, as a speed-up over our float file.
 
-Environment fallbacks: ONNXPORT_BENCH_OPTIMUM (the optimum-cli path), ONNXPORT_BENCH_PRETRAINED (families),
-ONNXPORT_BENCH_PRETRAINED_ROUNDS.
+Each flag falls back to an environment variable (``python -m bench pretrained --help`` names them).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,29 +30,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench._framework import cell, option, table
 from bench.sweep import ENCODERS, VISION, _text_config
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    optimum: str | None
-    families: list[str]
-    rounds: int
-    int8: bool = False
+    """What one run measures.
 
+    Attributes:
+        optimum: optimum-cli of an environment with optimum-onnx (None: Optimum's columns skipped).
+        families: the families (empty: the sweep's encoders and vision models).
+        rounds: interleaved timing rounds.
+        int8: INT8 files too, ours against ONNX Runtime's quantizer on Optimum's float file.
+    """
 
-def config_from(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m bench pretrained")
-    parser.add_argument("--optimum", default=os.environ.get("ONNXPORT_BENCH_OPTIMUM"),
-                        help="optimum-cli of an environment with optimum-onnx installed")
-    parser.add_argument("--families", default=os.environ.get("ONNXPORT_BENCH_PRETRAINED", ""),
-                        help="comma-separated families (default: the sweep's encoders and vision models)")
-    parser.add_argument("--rounds", type=int, default=int(os.environ.get("ONNXPORT_BENCH_PRETRAINED_ROUNDS", "8")))
-    parser.add_argument("--int8", action="store_true", default=bool(os.environ.get("ONNXPORT_BENCH_PRETRAINED_INT8")),
-                        help="INT8 files too: ours against ONNX Runtime's quantizer on Optimum's float file")
-    args = parser.parse_args(argv or [])
-    families = [f for f in args.families.split(",") if f] or [*ENCODERS, *VISION]
-    return Config(args.optimum, families, args.rounds, args.int8)
+    optimum: str | None = option(None, "optimum-cli of an environment with optimum-onnx installed")
+    families: tuple[str, ...] = option((), "families, comma-separated (default: the sweep's encoders and vision models)",
+                                       choices=(*ENCODERS, *VISION))
+    rounds: int = option(8, "interleaved timing rounds")
+    int8: bool = option(False, "INT8 files too: ours against ONNX Runtime's quantizer on Optimum's float file")
+
+    def check(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
 
 
 def _folder(family: str, where: Path) -> Path:
@@ -219,13 +217,13 @@ def _int8_row(row: dict, root: Path, folder: Path, vision: bool, rounds: int) ->
         row["int8_ours_over_ort"] = speedup["ours_int8"] / ort[best]
 
 
-def run(argv: list[str] | None = None) -> dict:
+def run(config: Config = Config()) -> dict:
+    from onnxport import cpu_int8
     from onnxport.runtime import interleaved_ms
 
-    config = config_from(argv)
-    results: dict = {}
+    results: dict = {"_isa": cpu_int8().isa}
     warmed = False
-    for family in config.families:
+    for family in config.families or (*ENCODERS, *VISION):
         with tempfile.TemporaryDirectory() as scratch:
             root = Path(scratch)
             try:
@@ -262,35 +260,31 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def report(results: dict) -> str:
-    from onnxport import cpu_int8
-
-    lines = [f"The front door against Optimum's exporter (float files, batch 1; CPU: {cpu_int8().isa})",
-             f"  {'family':<14} {'ours s':>7} {'Optimum s':>9} {'ours ms':>8} {'Optimum ms':>10} {'speed ours/Opt':>14}  notes"]
-    def num(row: dict, key: str, fmt: str) -> str:
-        value = row.get(key)
-        return format(value, fmt) if isinstance(value, (int, float)) else "-"
-
-    for family, r in results.items():
+    families = {f: r for f, r in results.items() if not f.startswith("_")}
+    rows = []
+    for family, r in families.items():
         notes = "; ".join(x for x in (r.get("ours_error"), r.get("optimum_error") and f"Optimum: {r['optimum_error']}",
                                       r.get("note")) if x)
-        lines.append(f"  {family:<14} {num(r, 'ours_s', '7.1f')} {num(r, 'optimum_s', '9.1f')} "
-                     f"{num(r, 'ours_ms', '8.2f')} {num(r, 'optimum_ms', '10.2f')} "
-                     f"{num(r, 'speed_ours_over_optimum', '14.2f')}  {notes}")
-    int8 = {f: r for f, r in results.items() if "ours_int8_s" in r}
+        rows.append([family, cell(r.get("ours_s"), ".1f"), cell(r.get("optimum_s"), ".1f"), cell(r.get("ours_ms"), ".2f"),
+                     cell(r.get("optimum_ms"), ".2f"), cell(r.get("speed_ours_over_optimum"), ".2f"), notes])
+    parts = [table(["family", "ours s", "Optimum s", "ours ms", "Optimum ms", "speed ours/Optimum", "notes"], rows,
+                   title=f"The front door against Optimum's exporter (float files, batch 1; CPU: "
+                         f"{results.get('_isa', 'see the run results file')})")]
+    int8 = {f: r for f, r in families.items() if "ours_int8_s" in r}
     if int8:
-        lines += ["", ("INT8 (x = speed-up over our float file): ours = export_pretrained(quantize='dynamic' for text, "
-                  "'int8' for vision); ORT = its quantizer on Optimum's float file, the better of default and reduce_range"),
-                  f"  {'family':<14} {'ours s':>7} {'ours x':>7} {'ORT x':>13} {'ours/ORT':>8}  notes"]
+        rows = []
         for family, r in int8.items():
             speed = r.get("int8_speedup", {})
             best = r.get("ort_int8_best")
-            ort = f"{speed[best]:.2f} ({best.removeprefix('ort') or 'default'})" if best else "-"
             notes = "; ".join(x for x in (r.get("ours_int8_error"), *(f"ORT {k}: {v}" for k, v in
                                                                        r.get("ort_int8_errors", {}).items())) if x)
-            lines.append(f"  {family:<14} {num(r, 'ours_int8_s', '7.1f')} "
-                         f"{format(speed['ours_int8'], '7.2f') if 'ours_int8' in speed else '      -'} {ort:>13} "
-                         f"{num(r, 'int8_ours_over_ort', '8.2f')}  {notes}")
-    return "\n".join(lines)
+            rows.append([family, cell(r.get("ours_int8_s"), ".1f"), cell(speed.get("ours_int8"), ".2f"),
+                         f"{speed[best]:.2f} ({best.removeprefix('ort') or 'default'})" if best else "-",
+                         cell(r.get("int8_ours_over_ort"), ".2f"), notes])
+        parts.append(table(["family", "ours s", "ours x", "ORT x", "ours/ORT", "notes"], rows, title=(
+            "INT8 (x = speed-up over our float file): ours = export_pretrained(quantize='dynamic' for text, "
+            "'int8' for vision); ORT = its quantizer on Optimum's float file, the better of default and reduce_range")))
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -7,23 +7,45 @@ our int8/uint8 Q/DQ files vs the FP32 export and ONNX Runtime's own quantize_sta
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench._framework import cell, option, scratch, table
 from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18
 
 
-def run(out_dir: Path | None = None) -> dict:
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        repeat: ONNX Runtime runs behind each median latency.
+        out_dir: where the files are written and kept (None: a temporary folder, removed).
+    """
+
+    repeat: int = option(30, "ONNX Runtime runs behind each median latency")
+    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
+
+    def check(self) -> None:
+        if self.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
+
+
+def run(config: Config = Config()) -> dict:
+    with scratch(config.out_dir, "onnxport-bench-qdq-") as out:
+        return _measure(config, out)
+
+
+def _measure(config: Config, out: Path) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
     from onnxport.inspection.stats import ort_optimised_ops
 
-    out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-qdq-"))
     torch.manual_seed(0)
     model = ResNet18().eval()
     calib = [torch.randn(8, 3, 224, 224) for _ in range(4)]
@@ -46,8 +68,8 @@ def run(out_dir: Path | None = None) -> dict:
     files["ort_quantize_static"] = export_onnx(
         model, sample, out / "ort_static.onnx", quantize=True, quantize_mode="static", calibration_data=calib
     )
-    results: dict = {"export_s": {"torch.onnx.export": bare_s, "export_qdq": ours_s, "ratio": ours_s / bare_s},
-                     "files": latencies(files)}
+    results: dict = {"repeat": config.repeat, "export_s": {"torch.onnx.export": bare_s, "export_qdq": ours_s, "ratio": ours_s / bare_s},
+                     "files": latencies(files, repeat=config.repeat)}
     for name, path in files.items():
         entry = results["files"][name]
         entry["ort_qlinearconv"] = ort_optimised_ops(path)["QLinearConv"]
@@ -58,19 +80,16 @@ def run(out_dir: Path | None = None) -> dict:
 
 def report(results: dict) -> str:
     e = results["export_s"]
-    lines = [
-        "export_qdq — ResNet-18 224x224 (pt2e defaults), ONNX Runtime CPU, median of 30 runs",
-        (f"  export time: export_qdq {e['export_qdq']:.1f} s vs bare torch.onnx.export {e['torch.onnx.export']:.1f} s "
-        f"= {e['ratio']:.2f}x"),
-        f"  {'file':<20} {'b1 ms':>8} {'b1 ×FP32':>9} {'b8 ms':>8} {'b8 ×FP32':>9} {'QLinearConv/20':>15}",
-    ]
-    for name, r in results["files"].items():
-        lines.append(
-            f"  {name:<20} {r['batch1_ms']:>8.2f} {r['batch1_speedup']:>8.2f}× {r['batch8_ms']:>8.2f} "
-            f"{r['batch8_speedup']:>8.2f}× {r['ort_qlinearconv']:>15}"
-        )
-    return "\n".join(lines)
+    rows = [[name, cell(r["batch1_ms"], ".2f"), cell(r["batch1_speedup"], ".2f"), cell(r["batch8_ms"], ".2f"),
+             cell(r["batch8_speedup"], ".2f"), r["ort_qlinearconv"]] for name, r in results["files"].items()]
+    return table(["file", "b1 ms", "b1 x FP32", "b8 ms", "b8 x FP32", "QLinearConv (of 20)"], rows,
+                 title=[(f"export_qdq — ResNet-18 224x224 (pt2e defaults), ONNX Runtime CPU, median of "
+                        f"{results.get('repeat', 30)} runs"),
+                        (f"export time: export_qdq {e['export_qdq']:.1f} s vs bare torch.onnx.export "
+                        f"{e['torch.onnx.export']:.1f} s = {e['ratio']:.2f}x")])
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["qdq_export", *sys.argv[1:]]))

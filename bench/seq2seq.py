@@ -21,15 +21,13 @@ are held to the torchao model, not the float one); every other runner's with PyT
 Optimum needs its own environment (its pins conflict with ours): ``--optimum-python`` names a
 Python with ``optimum-onnx`` (or ``optimum[onnxruntime]``) and ``onnxruntime``; ``--genai-python``
 one with ``onnxruntime-genai``. Without them those columns are skipped. ``--models t5,whisper``
-picks the families, ``--rounds`` the rounds (environment variables ``ONNXPORT_BENCH_OPTIMUM_PYTHON``,
-``ONNXPORT_BENCH_GENAI_PYTHON`` and ``ONNXPORT_BENCH_SEQ2SEQ_MODELS`` are the fallbacks).
+picks the families, ``--rounds`` the rounds (each flag falls back to an environment variable:
+``python -m bench seq2seq --help`` names them).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench._framework import cell, option, table
 
 SOURCE, NEW, SHORT, BATCHES = 32, 32, 8, (1, 4)
 _TOKENS = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
@@ -168,34 +168,21 @@ class Config:
         genai_python: a Python with onnxruntime-genai, for its run of our Whisper folders (None: skipped).
     """
 
-    models: tuple[str, ...] = ("t5", "whisper")
-    rounds: int = 5
-    optimum_python: str | None = None
-    genai_python: str | None = None
+    models: tuple[str, ...] = option(("t5", "whisper"), "families, comma-separated", choices=("t5", "whisper"))
+    rounds: int = option(5, "rotating rounds per batch (each figure is the median over them)")
+    optimum_python: str | None = option(None, "a Python with optimum-onnx (Optimum's column; default: skipped)")
+    genai_python: str | None = option(None, "a Python with onnxruntime-genai (its run of our Whisper folders; "
+                                            "default: skipped)")
+
+    def check(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
 
 
-def config_from(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m bench seq2seq")
-    parser.add_argument("--models", default=os.environ.get("ONNXPORT_BENCH_SEQ2SEQ_MODELS", "t5,whisper"),
-                        help="comma-separated: t5, whisper (default: both)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--optimum-python", default=os.environ.get("ONNXPORT_BENCH_OPTIMUM_PYTHON"),
-                        help="a Python with optimum-onnx (Optimum's column; default: skipped)")
-    parser.add_argument("--genai-python", default=os.environ.get("ONNXPORT_BENCH_GENAI_PYTHON"),
-                        help="a Python with onnxruntime-genai (its run of our Whisper folders; default: skipped)")
-    args = parser.parse_args(argv or [])
-    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    unknown = [m for m in models if m not in ("t5", "whisper")]
-    if unknown or not models:
-        parser.error(f"unknown models {', '.join(unknown) or '(none given)'}; choose from t5, whisper")
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    return Config(models, args.rounds, args.optimum_python, args.genai_python)
+def run(config: Config = Config()) -> dict:
+    from onnxport import cpu_int8
 
-
-def run(argv: list[str] | None = None) -> dict:
-    config = config_from(argv)
-    results: dict = {"source": SOURCE, "new_tokens": NEW, "rounds": config.rounds,
+    results: dict = {"isa": cpu_int8().isa, "source": SOURCE, "new_tokens": NEW, "rounds": config.rounds,
                      "optimum": bool(config.optimum_python), "genai": bool(config.genai_python), "models": {}}
     chosen = {**(SIZES if "t5" in config.models else {}),
               **({WHISPER_NAME: WHISPER} if "whisper" in config.models else {})}
@@ -293,29 +280,24 @@ def _one(name: str, shape: dict, scratch: Path, config: Config) -> dict:
 
 
 def report(results: dict) -> str:
-    from onnxport import cpu_int8
-
-    lines = [(f"Encoder-decoder generation (random weights; T5: {results['source']}-token sources; Whisper: "
-              f"30 s of features, a 4-token prompt), {results['new_tokens']} new tokens, greedy; median of {results['rounds']} rounds, each runner in its "
-              f"own process, rotating order; CPU: {cpu_int8().isa}"),
-             "| model | batch | runner | new tokens/s, end to end | decode tokens/s | same tokens |",
-             "|---|---|---|---|---|---|"]
-    notes = []
-    for model, entry in results["models"].items():
+    rows, notes = [], []
+    # the first runs measured one model, T5-small's shape, and kept its figures at the top level
+    for model, entry in results.get("models", {"t5-small shape": results}).items():
         for batch, figures_by_runner in entry["batches"].items():
-            same = figures_by_runner.get("same_tokens", {})
+            # (the first runs named the agreement "same_tokens_as_eager")
+            same = figures_by_runner.get("same_tokens", figures_by_runner.get("same_tokens_as_eager", {}))
             for name, figures in figures_by_runner.items():
-                if name == "same_tokens":
+                if name.startswith("same_tokens"):
                     continue
-                shown = (f"{figures['tokens_per_s']:.1f} | {figures['decode_tokens_per_s']:.1f}"
-                         if "tokens_per_s" in figures else f"{figures['error']} | ")
-                lines.append(f"| {model} | {batch} | {name} | {shown} | {same.get(name, 'the reference')} |")
+                shown = ([f"{figures['tokens_per_s']:.1f}", cell(figures.get("decode_tokens_per_s"), ".1f")]
+                         if "tokens_per_s" in figures else [figures["error"], ""])
+                rows.append([model, batch, name, *shown, same.get(name, "the reference")])
             for mine in ("ours portable", "ours ort-cpu", INT4):
                 ours = figures_by_runner.get(mine, {})
                 for other in (EAGER, OPTIMUM, *(n for n in figures_by_runner if n.startswith("onnxruntime-genai"))):
                     theirs = figures_by_runner.get(other, {})
-                    if "tokens_per_s" in ours and "tokens_per_s" in theirs:
-                        notes.append(f"  {model}, batch {batch}: {mine} / {other}: "
+                    if "decode_tokens_per_s" in ours and "decode_tokens_per_s" in theirs:
+                        notes.append(f"{model}, batch {batch}: {mine} / {other}: "
                                      f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x end to end, "
                                      f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x decoding")
         for name in ("export portable", "export ort-cpu", "export ort-cpu int4", "export optimum"):
@@ -323,11 +305,17 @@ def report(results: dict) -> str:
                 figures = entry[name]
                 peak = (f", peak memory above the libraries' {figures['peak_vs_weights']:.1f}x the float weights "
                         f"({entry['weights_bytes'] / 1e6:.0f} MB)" if "peak_vs_weights" in figures else "")
-                notes.append(f"  {model}: {name}: {figures['seconds']:.0f} s{peak}")
+                notes.append(f"{model}: {name}: {figures['seconds']:.0f} s{peak}")
         if "optimum_error" in entry:
-            notes.append(f"  {model}: Optimum's export failed: {entry['optimum_error']}")
-    return "\n".join(lines + notes)
+            notes.append(f"{model}: Optimum's export failed: {entry['optimum_error']}")
+    return table(["model", "batch", "runner", "new tokens/s, end to end", "decode tokens/s", "same tokens"], rows,
+                 notes=notes, title=(
+        f"Encoder-decoder generation (random weights; T5: {results['source']}-token sources; Whisper: 30 s of features, "
+        f"a 4-token prompt), {results['new_tokens']} new tokens, greedy; median of {results['rounds']} rounds, each "
+        f"runner in its own process, rotating order; CPU: {results.get('isa', 'see the run results file')}"))
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["seq2seq", *sys.argv[1:]]))

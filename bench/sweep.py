@@ -19,8 +19,7 @@ one process:
     python -m bench sweep --rounds 20                   # more rounds (default 8; >= 20 near a goal's line)
     python -m bench sweep --round-ms 300                # longer rounds (default 150 ms)
 
-Environment fallbacks: ONNXPORT_BENCH_SWEEP (families), ONNXPORT_BENCH_SWEEP_ROUNDS,
-ONNXPORT_BENCH_SWEEP_ROUND_MS.
+Each flag falls back to an environment variable (``python -m bench sweep --help`` names them).
 
 The table goes in ``docs/benchmarks.md``. timm families need torchvision, which cannot be installed
 beside the CPU torch build; they are not in this sweep.
@@ -28,13 +27,13 @@ beside the CPU torch build; they are not in this sweep.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench._framework import option, table
 
 IMAGE = (3, 224, 224)
 TOKENS = (64,)
@@ -124,33 +123,30 @@ class Config:
     """What one sweep measures.
 
     Attributes:
-        families: the families to run (``[]``: all of them).
+        families: the families to run (empty, and ``text`` off: all of them).
+        text: every text family (encoders and decoders) besides ``families``.
         rounds: interleaved timing rounds per family (at least 20 for a verdict near a goal's line).
         round_ms: milliseconds of runs per file and round: the sweep's models take 1-30 ms, and a
             round of six runs of a 1 ms file moved ratios by ±0.15 between runs.
     """
 
-    families: tuple[str, ...] = ()
-    rounds: int = 8
-    round_ms: float = 150.0
+    families: tuple[str, ...] = option((), "families, comma-separated (default: all)")
+    text: bool = option(False, "every text family (encoders and decoders) besides --families")
+    rounds: int = option(8, "interleaved timing rounds per family (>= 20 near a goal's line)")
+    round_ms: float = option(150.0, "milliseconds of runs per file and round")
 
+    def check(self) -> None:
+        known = {*ENCODERS, *DECODERS, *VISION}
+        unknown = [f for f in self.families if f not in known]
+        if unknown:
+            raise ValueError(f"unknown families {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
+        if self.rounds < 1 or self.round_ms <= 0:
+            raise ValueError("--rounds must be at least 1 and --round-ms above 0")
 
-def config_from(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m bench sweep")
-    parser.add_argument("--families", default=os.environ.get("ONNXPORT_BENCH_SWEEP", ""),
-                        help="comma-separated families (default: all)")
-    parser.add_argument("--text", action="store_true", help="every text family (encoders and decoders)")
-    parser.add_argument("--rounds", type=int, default=int(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUNDS", "8")))
-    parser.add_argument("--round-ms", type=float, default=float(os.environ.get("ONNXPORT_BENCH_SWEEP_ROUND_MS", "150")))
-    args = parser.parse_args(argv or [])
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
-    if args.text:
-        families += [f for f in (*ENCODERS, *DECODERS) if f not in families]
-    known = {*ENCODERS, *DECODERS, *VISION}
-    unknown = [f for f in families if f not in known]
-    if unknown:
-        parser.error(f"unknown families {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
-    return Config(tuple(families), args.rounds, args.round_ms)
+    def chosen(self) -> tuple[str, ...]:
+        """The families this run measures (empty: all)."""
+        text = [f for f in (*ENCODERS, *DECODERS) if f not in self.families] if self.text else []
+        return (*self.families, *text)
 
 
 def _runs_for(fp32: Path, sample, round_ms: float) -> int:
@@ -233,22 +229,22 @@ def _one(entry, out: Path, config: Config) -> dict:
     return result
 
 
-def run(argv: list[str] | None = None, out_dir: Path | None = None) -> dict:
+def run(config: Config = Config(), out_dir: Path | None = None) -> dict:
     import logging
     import sys
     import warnings
 
     from onnxport import cpu_int8
 
-    config = config_from(argv)
     if out_dir is None:
         with tempfile.TemporaryDirectory(prefix="onnxport-bench-sweep-") as scratch:
-            return run(argv, Path(scratch))
+            return run(config, Path(scratch))
     out = Path(out_dir)
+    families = config.chosen()
     logging.getLogger("torch").setLevel(logging.ERROR)
     results: dict = {"_isa": cpu_int8().describe(), "_rounds": config.rounds}
     for entry in sweep_models():
-        if config.families and entry.name not in config.families:
+        if families and entry.name not in families:
             continue
         start = time.perf_counter()
         folder = out / entry.name
@@ -270,21 +266,12 @@ def _short(reasons: list[str]) -> list[str]:
 
 
 def report(results: dict) -> str:
-    lines = [
-        "The sweep on ONNX Runtime (CPU), batch 1, fixed shapes: x = FP32 latency / file latency (median of the rounds' ratios);",
-        "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr').",
-        f"CPU: {results.get('_isa', 'see the run results file')}; {results.get('_rounds', 8)} rounds",
-        "",
-        ("| model | ours | ORT best (which) | ours / ORT best | cosine as deployed (floor min–max) | INT8 in ORT: ours | ORT best's "
-        "| float or costlier than float in our file (qdq_report) |"),
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    below = []
+    rows, below = [], []
     for name, e in results.items():
         if name.startswith("_"):
             continue
         if "error" in e:
-            lines.append(f"| {name} | failed: {e['error'][:90]} | | | | | | |")
+            rows.append([name, f"failed: {e['error'][:90]}", *[""] * 6])
             continue
         best = e["ort_best"]
         ratio = e["ours_vs_ort_best"]
@@ -292,41 +279,59 @@ def report(results: dict) -> str:
         floor = e["ours"]["rounding_floor"]
         if ratio is not None and (ratio < 0.95 or (ours < 1.0 <= e["speedup"][best])):
             below.append(name)
-        lines.append(
-            f"| {name} | {ours:.2f}x | {e['speedup'][best]:.2f}x ({best.removeprefix('ort_')}) | {ratio:.2f} "
-            f"| {e['ours']['cosine']:.5f} ({min(floor):.5f}–{max(floor):.5f}){'' if e['ours']['within_floor'] else ' BELOW 2x floor'} "
-            f"| {', '.join(f'{op} {c}' for op, c in e['ours']['ort_int8'].items())} "
-            f"| {', '.join(f'{op} {c}' for op, c in e.get('ort_best_int8', {}).items())} "
-            f"| {'; '.join([*_short(e['ours']['float_in_file'][:3]), *(f'{k} ({n})' for k, n in e['ours'].get('costlier_than_float', {}).items())])} |")
+        rows.append([
+            name, f"{ours:.2f}x", f"{e['speedup'][best]:.2f}x ({best.removeprefix('ort_')})", f"{ratio:.2f}",
+            f"{e['ours']['cosine']:.5f} ({min(floor):.5f}–{max(floor):.5f})"
+            + ("" if e["ours"]["within_floor"] else " BELOW 2x floor"),
+            ", ".join(f"{op} {c}" for op, c in e["ours"]["ort_int8"].items()),
+            ", ".join(f"{op} {c}" for op, c in e.get("ort_best_int8", {}).items()),
+            "; ".join([*_short(e["ours"]["float_in_file"][:3]),
+                       *(f"{k} ({n})" for k, n in e["ours"].get("costlier_than_float", {}).items())])])
     unfaithful = [n for n, e in results.items() if not n.startswith("_") and "ours" in e and not e["ours"]["within_floor"]]
-    lines += ["", f"Below 0.95x ORT's best (or below FP32 where ORT is not): {', '.join(below) or 'none'}",
-              f"Beyond twice the model's rounding floor as deployed: {', '.join(unfaithful) or 'none'}"]
-    return "\n".join(lines + dynamic_report(results))
+    main = table(
+        ["model", "ours", "ORT best (which)", "ours / ORT best", "cosine as deployed (floor min–max)", "INT8 in ORT: ours",
+         "ORT best's", "float or costlier than float in our file (qdq_report)"], rows,
+        title=[("The sweep on ONNX Runtime (CPU), batch 1, fixed shapes: x = FP32 latency / file latency (median of the "
+               "rounds' ratios);"),
+               "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr').",
+               f"CPU: {results.get('_isa', 'see the run results file')}; {results.get('_rounds', 8)} rounds"],
+        notes=[f"Below 0.95x ORT's best (or below FP32 where ORT is not): {', '.join(below) or 'none'}",
+               f"Beyond twice the model's rounding floor as deployed: {', '.join(unfaithful) or 'none'}"])
+    dynamic = dynamic_report(results)
+    return main + ("\n\n" + dynamic if dynamic else "")
 
 
-def dynamic_report(results: dict) -> list[str]:
+def dynamic_report(results: dict) -> str:
     """The dynamic scheme (``Quantizer(activations='dynamic')``) against ORT's ``quantize_dynamic``
-    (the better of its default and ``reduce_range``), text families only."""
-    rows = [(n, e) for n, e in results.items() if not n.startswith("_") and "ours_dynamic" in e.get("speedup", {})]
-    if not rows:
-        return []
-    lines = ["", ("Dynamic INT8 (no calibration): ours = Quantizer(activations='dynamic') + export_qdq; ORT's = "
-                  "quantize_dynamic, the better of default and reduce_range."), "",
-             "| model | ours dynamic | ORT quantize_dynamic (which) | ours / ORT's | cosine as deployed (floor min–max) |",
-             "|---|---|---|---|---|"]
-    below = []
-    for name, e in rows:
+    (the better of its default and ``reduce_range``), text families only ('' when none ran)."""
+    measured = [(n, e) for n, e in results.items() if not n.startswith("_") and "ours_dynamic" in e.get("speedup", {})]
+    if not measured:
+        return ""
+    rows, below = [], []
+    for name, e in measured:
         speed = e["speedup"]
         ort = {k: speed[k] for k in ("ort_dynamic", "ort_dynamic_rr") if k in speed}
-        best = max(ort, key=ort.get) if ort else None
+        best = max(ort, key=ort.__getitem__) if ort else None
         ratio = speed["ours_dynamic"] / ort[best] if best else None
         if ratio is not None and ratio < 1.0:
             below.append(name)
         d = e["ours_dynamic"]
-        lines.append(
-            f"| {name} | {speed['ours_dynamic']:.2f}x | "
-            + (f"{ort[best]:.2f}x ({best.removeprefix('ort_')}) | {ratio:.2f} " if best else "failed | ")
-            + f"| {d['cosine']:.5f} ({min(d['rounding_floor']):.5f}–{max(d['rounding_floor']):.5f})"
-            + ("" if d["within_floor"] else " BELOW 2x floor") + " |")
-    lines += ["", f"Below 1.00x ORT's quantize_dynamic: {', '.join(below) or 'none'}"]
-    return lines
+        rows.append([name, f"{speed['ours_dynamic']:.2f}x",
+                     f"{ort[best]:.2f}x ({best.removeprefix('ort_')})" if best else "failed",
+                     f"{ratio:.2f}" if ratio is not None else "",
+                     f"{d['cosine']:.5f} ({min(d['rounding_floor']):.5f}–{max(d['rounding_floor']):.5f})"
+                     + ("" if d["within_floor"] else " BELOW 2x floor")])
+    return table(["model", "ours dynamic", "ORT quantize_dynamic (which)", "ours / ORT's",
+                  "cosine as deployed (floor min–max)"], rows,
+                 title=("Dynamic INT8 (no calibration): ours = Quantizer(activations='dynamic') + export_qdq; ORT's = "
+                        "quantize_dynamic, the better of default and reduce_range."),
+                 notes=[f"Below 1.00x ORT's quantize_dynamic: {', '.join(below) or 'none'}"])
+
+
+
+if __name__ == "__main__":
+    import sys
+
+    from bench.__main__ import main
+
+    sys.exit(main(["sweep", *sys.argv[1:]]))

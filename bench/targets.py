@@ -7,23 +7,45 @@ and 8 — each preset's Q/DQ file vs the FP32 export and vs ONNX Runtime's own q
 from __future__ import annotations
 
 import sys
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench._framework import cell, option, scratch, table
 from bench._timing import latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import MobileNetV2Small, ResNet18
 
 
-def run(out_dir: Path | None = None) -> dict:
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        repeat: ONNX Runtime runs behind each median latency.
+        out_dir: where the files are written and kept (None: a temporary folder, removed).
+    """
+
+    repeat: int = option(30, "ONNX Runtime runs behind each median latency")
+    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
+
+    def check(self) -> None:
+        if self.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
+
+
+def run(config: Config = Config()) -> dict:
+    with scratch(config.out_dir, "onnxport-bench-targets-") as out:
+        return _measure(config, out)
+
+
+def _measure(config: Config, out: Path) -> dict:
     from onnxport import Quantizer, export_onnx, export_qdq
     from onnxport.inspection.stats import ort_int8_counts
 
-    out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-targets-"))
-    results: dict = {}
+    results: dict = {"_repeat": config.repeat}
     for name, model in (("ResNet-18", ResNet18()), ("MobileNetV2-style", MobileNetV2Small(num_classes=1000))):
         torch.manual_seed(0)
         model.eval()
@@ -37,7 +59,7 @@ def run(out_dir: Path | None = None) -> dict:
         for target in ("tensorrt", "onnxruntime", "qnn"):
             q = Quantizer(target=target).quantize(model, calib)
             files[target] = export_qdq(q, sample, out / f"{name}_{target}.onnx", dynamic_batch=True)
-        entry = latencies(files)
+        entry = latencies(files, repeat=config.repeat)
         for file, path in files.items():
             e = entry[file]
             counts = ort_int8_counts(path)["Conv"]
@@ -50,17 +72,15 @@ def run(out_dir: Path | None = None) -> dict:
 
 
 def report(results: dict) -> str:
-    lines = ["Deployment presets on ONNX Runtime (CPU), 224x224, median of 30 runs; × = speed-up"]
-    for name, entry in results.items():
-        lines.append(f"  {name}")
-        lines.append(f"    {'file':<20} {'b1 ms':>7} {'×FP32':>6} {'×ORT':>5} {'b8 ms':>7} {'×FP32':>6} {'×ORT':>5} {'INT8 convs':>11}")
-        for file, e in entry.items():
-            lines.append(
-                f"    {file:<20} {e['batch1_ms']:>7.2f} {e['batch1_vs_fp32']:>6.2f} {e['batch1_vs_ort']:>5.2f} "
-                f"{e['batch8_ms']:>7.2f} {e['batch8_vs_fp32']:>6.2f} {e['batch8_vs_ort']:>5.2f} {e['int8_convs']:>11}"
-            )
-    return "\n".join(lines)
+    repeat = results.get("_repeat", 30)
+    rows = [[name, file, cell(e["batch1_ms"], ".2f"), cell(e["batch1_vs_fp32"], ".2f"), cell(e["batch1_vs_ort"], ".2f"),
+             cell(e["batch8_ms"], ".2f"), cell(e["batch8_vs_fp32"], ".2f"), cell(e["batch8_vs_ort"], ".2f"), e["int8_convs"]]
+            for name, entry in results.items() if not name.startswith("_") for file, e in entry.items()]
+    return table(["model", "file", "b1 ms", "b1 x FP32", "b1 x ORT", "b8 ms", "b8 x FP32", "b8 x ORT", "INT8 convs"], rows,
+                 title=f"Deployment presets on ONNX Runtime (CPU), 224x224, median of {repeat} runs; x = speed-up")
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["targets", *sys.argv[1:]]))

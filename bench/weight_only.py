@@ -17,9 +17,11 @@ Agreement is with the torchao model (the PyTorch model a user validated).
 
 A separate process exports a 1.1B-parameter Llama (TinyLlama's shape, embeddings quantized too)
 and reports its peak memory against the float weights' bytes, and the file size against FP32
-(``ONNXPORT_BENCH_SKIP_LARGE=1`` skips it). With ``ONNXPORT_BENCH_BEFORE`` set to another
-checkout of onnxport, that checkout exports the same model first, in its own process, so a change
-is measured before and after in one run (``before``).
+(``--no-large`` skips it). With ``--before`` naming another checkout of onnxport, that checkout
+exports the same model first, in its own process, so a change is measured before and after in one
+run (``before``).
+
+    python -m bench weight_only [--models "llama h512 L4 (27M)"] [--no-large] [--before ../other-checkout]
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from bench._framework import option, table
 
 SIZES = {
     "llama h512 L4 (27M)": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -47,6 +52,22 @@ SIZES = {
 SHAPES = {"prompt 128": 128, "decode 1": 1}
 BLOCK = 32
 LEVEL_KEY = "session.qdq_matmulnbits_accuracy_level"
+LARGE = "llama 1.1B (TinyLlama shape)"
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        models: the Llama shapes timed against ORT's quantizer.
+        large: also export the 1.1B model in its own process (peak memory, file size).
+        before: another onnxport checkout exporting the 1.1B model first (None: none).
+    """
+
+    models: tuple[str, ...] = option(tuple(SIZES), "Llama shapes, comma-separated", choices=tuple(SIZES))
+    large: bool = option(True, "also export the 1.1B model (peak memory, file size)")
+    before: str | None = option(None, "another onnxport checkout exporting the 1.1B model first")
 
 
 def _session(path: Path, level: str | None):
@@ -189,30 +210,27 @@ def _large(scratch: Path, tree: Path | None = None) -> dict:
     return figures
 
 
-def run() -> dict:
+def run(config: Config = Config()) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, config in SIZES.items():
+        for name in config.models:
             folder = Path(scratch) / str(len(results))
             folder.mkdir()
-            results[name] = _one(name, config, folder)
-    if os.environ.get("ONNXPORT_BENCH_SKIP_LARGE") != "1":
+            results[name] = _one(name, SIZES[name], folder)
+    if config.large:
         before = None
-        if os.environ.get("ONNXPORT_BENCH_BEFORE"):
+        if config.before:
             with tempfile.TemporaryDirectory() as scratch:
-                before = _large(Path(scratch), Path(os.environ["ONNXPORT_BENCH_BEFORE"]))
+                before = _large(Path(scratch), Path(config.before))
         with tempfile.TemporaryDirectory() as scratch:
-            results["llama 1.1B (TinyLlama shape)"] = _large(Path(scratch))
+            results[LARGE] = _large(Path(scratch))
         if before is not None:
-            results["llama 1.1B (TinyLlama shape)"]["before"] = before
+            results[LARGE]["before"] = before
     return results
 
 
 def report(results: dict) -> str:
-    lines = ["Weight-only INT4 (block 32, symmetric): ours (torchao's integers) vs ORT's MatMulNBitsQuantizer",
-             ("| model | input | level | ours ms | ORT ms | ours/ORT | same file twice | fp32 ms | cosine ours | "
-             "cosine ORT | max err ours | max err ORT | size ours/ORT |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name, entry in results.items():
         if "peak" in entry or "error" in entry:
             continue
@@ -220,30 +238,31 @@ def report(results: dict) -> str:
             row = entry[shape]
             lat, agree = row["latency_ms"], row["agreement_with_torchao"]
             for level, ours, ort in (("4", "ours level 4 (ORT default)", "ort level 4"), ("0", "ours level 0", "ort level 0")):
-                lines.append(
-                    f"| {name} | {shape} | {level} | {lat[ours]:.2f} | {lat[ort]:.2f} | {lat[ours] / lat[ort]:.3f} | "
-                    f"{lat['ours level 4, again'] / lat['ours level 4 (ORT default)']:.3f} | "
-                    f"{lat['fp32']:.2f} | {agree[ours]['cosine']:.7f} | {agree[ort]['cosine']:.7f} | "
-                    f"{agree[ours]['max_abs']:.2e} | {agree[ort]['max_abs']:.2e} | "
-                    f"{row['bytes']['ours'] / row['bytes']['ort']:.4f} |"
-                )
-    large = results.get("llama 1.1B (TinyLlama shape)")
+                rows.append([name, shape, level, f"{lat[ours]:.2f}", f"{lat[ort]:.2f}", f"{lat[ours] / lat[ort]:.3f}",
+                             f"{lat['ours level 4, again'] / lat['ours level 4 (ORT default)']:.3f}", f"{lat['fp32']:.2f}",
+                             f"{agree[ours]['cosine']:.7f}", f"{agree[ort]['cosine']:.7f}", f"{agree[ours]['max_abs']:.2e}",
+                             f"{agree[ort]['max_abs']:.2e}", f"{row['bytes']['ours'] / row['bytes']['ort']:.4f}"])
+    notes = []
+    large = results.get(LARGE)
     if large and "peak" in large:
-        lines.append(
+        notes.append(
             f"Llama 1.1B ({large['parameters'] / 1e9:.2f}B parameters, {large['float_bytes'] / 1e9:.2f} GB float): "
             f"peak memory {large['peak'] / 1e9:.2f} GB = {large['peak_vs_float_weights']:.2f}x the float weights "
             f"(the float model itself {large['peak_after_build'] / 1e9:.2f} GB); quantize {large['quantize_s']:.0f} s, "
             f"export+checks {large['export_s']:.0f} s; file {large['file_bytes'] / 1e9:.3f} GB = "
-            f"{large['file_vs_fp32']:.3f}x FP32; {large['matmul_nbits']} MatMulNBits."
-        )
+            f"{large['file_vs_fp32']:.3f}x FP32; {large['matmul_nbits']} MatMulNBits.")
         before = large.get("before") or {}
         if "peak" in before:
-            lines.append(f"  before (the other checkout, just before): peak {before['peak'] / 1e9:.2f} GB = "
+            notes.append(f"  before (the other checkout, just before): peak {before['peak'] / 1e9:.2f} GB = "
                          f"{before['peak_vs_float_weights']:.2f}x; export+checks {before['export_s']:.0f} s")
     elif large:
-        lines.append(f"Llama 1.1B: {large['error']}")
-    return "\n".join(lines)
+        notes.append(f"Llama 1.1B: {large['error']}")
+    return table(["model", "input", "level", "ours ms", "ORT ms", "ours/ORT", "same file twice", "fp32 ms", "cosine ours",
+                  "cosine ORT", "max err ours", "max err ORT", "size ours/ORT"], rows, notes=notes,
+                 title="Weight-only INT4 (block 32, symmetric): ours (torchao's integers) vs ORT's MatMulNBitsQuantizer")
 
 
 if __name__ == "__main__":
-    print(report(run()))
+    from bench.__main__ import main
+
+    sys.exit(main(["weight_only", *sys.argv[1:]]))

@@ -10,8 +10,8 @@ the checkpoints people deploy, with seeded random weights). Per model:
   pt2e model comes to itself when every float op rounds an ulp differently (3 seeds,
   ``compare_qdq(..., rounding_floor=True)``): the floor for any runtime whose float kernels are
   not bit-equal to torch's. The other presets
-  run on every zoo model in the test suite (``tests/test_zoo.py``), at smaller sizes; set
-  ``ONNXPORT_BENCH_ZOO_TARGETS=tensorrt,onnxruntime,qnn`` to measure them here too;
+  run on every zoo model in the test suite (``tests/test_zoo.py``), at smaller sizes;
+  ``--targets tensorrt,onnxruntime,qnn`` measures them here too;
 * ONNX Runtime's ``quantize_static`` (QDQ, per-channel, MinMax, the same calibration batches) and,
   for text models, ``quantize_dynamic``, both on the FP32 export;
 * latency of the FP32 file, our ``'onnxruntime'`` file and ORT's files, at batch 1 (and 8 for
@@ -24,28 +24,54 @@ the checkpoints people deploy, with seeded random weights). Per model:
   and the question is only speed; without VNNI the full range saturates).
 
     python -m bench zoo
-    ONNXPORT_BENCH_ZOO=EfficientNet,BERT python -m bench zoo   # only these models
-    ONNXPORT_BENCH_ZOO_ROUNDS=30 python -m bench zoo           # more rounds: a closer look at near ties
+    python -m bench zoo --models EfficientNet-B0,"BERT 4x256"   # only these models
+    python -m bench zoo --rounds 30                             # more rounds: a closer look at near ties
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench._framework import option, scratch, table
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = tuple(t.strip() for t in os.environ.get("ONNXPORT_BENCH_ZOO_TARGETS", "onnxruntime").split(",") if t.strip())
-# turns of the latency loop (ONNXPORT_BENCH_ZOO_ROUNDS for a closer look); per turn and file: untimed, then timed runs
-ROUNDS, WARMUP, RUNS = int(os.environ.get("ONNXPORT_BENCH_ZOO_ROUNDS", "8")), 3, 6
+# turns of the latency loop (the benchmark's --rounds); per turn and file: untimed, then timed runs
+ROUNDS, WARMUP, RUNS = 8, 3, 6
 CALIBRATION = (2, 4)  # batches, samples per batch: the same data for pt2e and for ORT's quantizer
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures.
+
+    Attributes:
+        models: zoo model names (empty: every one).
+        targets: deployment presets quantized, exported and compared on every model.
+        rounds: latency rounds (more for a closer look at near ties).
+        out_dir: keep the files in this folder (None: a temporary one, removed).
+    """
+
+    models: tuple[str, ...] = option((), "zoo models by name, comma-separated (default: every one)")
+    targets: tuple[str, ...] = option(("onnxruntime",), "presets measured on every model",
+                                      choices=("onnxruntime", "tensorrt", "qnn", "openvino"))
+    rounds: int = option(ROUNDS, "latency rounds (each file once per round, the order rotating)")
+    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
+
+    def check(self) -> None:
+        known = [m.name for m in zoo_models()]
+        unknown = [m for m in self.models if m not in known]
+        if unknown:
+            raise ValueError(f"--models: no zoo model {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+        if self.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
 
 
 def zoo_models() -> list:
@@ -124,7 +150,7 @@ def _fused(path: Path) -> dict:
     return {"ort_int8": fused, "float_in_file": float_ops[:6], "costlier_than_float": report.extra["ort_costlier_than_float"]}
 
 
-def _one(entry, out: Path) -> dict:
+def _one(entry, out: Path, config: Config) -> dict:
     import torch
 
     from onnxport import Quantizer, compare_onnx, compare_qdq, export_onnx, export_qdq
@@ -141,7 +167,7 @@ def _one(entry, out: Path) -> dict:
     result["export_onnx"] = {"passed": report.passed, "max_abs_error": max(o.max_abs_error for o in report.outputs),
                              "seconds": time.perf_counter() - start}
     files = {"fp32": fp32}
-    for target in TARGETS:
+    for target in config.targets:
         start = time.perf_counter()
         try:
             quantized = Quantizer(target=target).quantize(model, calibration)
@@ -173,7 +199,7 @@ def _one(entry, out: Path) -> dict:
     sizes = (1, 8) if entry.kind == "image" else (1,)
     inputs = {b: entry.sample(batch=b, seed=5).numpy() for b in sizes}
     with torch.no_grad():
-        rounds = _latencies(files, inputs)
+        rounds = _latencies(files, inputs, rounds=config.rounds)
     result["latency_ms"] = {name: {f"batch{b}": statistics.median(ms) for b, ms in by_batch.items()}
                             for name, by_batch in rounds.items()}
     # The machine's speed drifts over a model's minute of timing: a speed-up is the median of each
@@ -192,20 +218,23 @@ def _ort_files(kind: str) -> list[tuple[str, str, str]]:
             for mode in modes for suffix, weight_range in (("", "full"), ("_rr", "portable"))]
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(config: Config = Config()) -> dict:
+    with scratch(config.out_dir, "onnxport-bench-zoo-") as out:
+        return _measure(config, out)
+
+
+def _measure(config: Config, out: Path) -> dict:
     import logging
 
-    chosen = [n.strip() for n in os.environ.get("ONNXPORT_BENCH_ZOO", "").split(",") if n.strip()]
-    models = [m for m in zoo_models() if not chosen or m.name in chosen]
-    out = Path(out_dir or tempfile.mkdtemp(prefix="onnxport-bench-zoo-"))
     from onnxport import cpu_int8
 
-    results: dict = {"_isa": cpu_int8().describe()}
+    models = [m for m in zoo_models() if not config.models or m.name in config.models]
+    results: dict = {"_isa": cpu_int8().describe(), "_targets": list(config.targets), "_rounds": config.rounds}
     logging.getLogger("torch").setLevel(logging.ERROR)
 
     def measure(entry, folder: Path) -> dict:
         start = time.perf_counter()
-        result = _one(entry, folder)
+        result = _one(entry, folder, config)
         result["bench_seconds"] = time.perf_counter() - start
         return result
 
@@ -235,23 +264,16 @@ def _speed(entry: dict, file: str, batch: str) -> float | None:
 
 
 def report(results: dict) -> str:
-    lines = [
-        "The zoo on ONNX Runtime (CPU): every path, fidelity of each target's file to its pt2e model, and the",
-        "'onnxruntime' file's speed (x = FP32 latency / file latency, median of the rounds' ratios) against ORT's quantize_static",
-        "and quantize_dynamic files of the same model, each at ORT's defaults and with reduce_range ('rr', 7-bit weights).",
-        f"CPU: {results.get('_isa', 'see the run results file')}",
-        "",
-        ("| model | export_onnx | " + " | ".join(f"{t} cos / steps" for t in TARGETS) + " "
-         "| pt2e vs itself, 1 ulp (3 seeds) | ours b1 | ORT static b1 | ORT static rr b1 | ORT dynamic b1 "
-         "| ORT dynamic rr b1 | ours / ORT best b1 | ours b8 | ORT static b8 | INT8 in ORT (ours) "
-         "| ours, full range: b1, cos (top-1) |"),
-        "|---" * (13 + len(TARGETS)) + "|",
-    ]
+    targets = results.get("_targets", ["onnxruntime"])
+    header = ["model", "export_onnx", *(f"{t} cos / steps" for t in targets), "pt2e vs itself, 1 ulp (3 seeds)",
+              "ours b1", "ORT static b1", "ORT static rr b1", "ORT dynamic b1", "ORT dynamic rr b1", "ours / ORT best b1",
+              "ours b8", "ORT static b8", "INT8 in ORT (ours)", "ours, full range: b1, cos (top-1)"]
+    rows = []
     for name, e in results.items():
         if name.startswith("_"):
             continue
         cells = [name, "ok" if e["export_onnx"]["passed"] else f"max err {e['export_onnx']['max_abs_error']:.2g}"]
-        for target in TARGETS:
+        for target in targets:
             t = e.get(target, {"error": "not measured"})
             cells.append(f"refused: {t['error'][:60]}" if "error" in t else f"{t['cosine']:.6f} / {t['steps'] or 0:.1f}")
         floor = sorted(e.get("onnxruntime", {}).get("rounding_floor", []))
@@ -263,9 +285,20 @@ def report(results: dict) -> str:
         for f in ("onnxruntime", "ort_static"):
             v = _speed(e, f, "batch8") if "batch8" in e["latency_ms"]["fp32"] else None
             cells.append(f"{v:.2f}x" if v else "-")
-        fused = e["onnxruntime"].get("ort_int8", {})
+        fused = e.get("onnxruntime", {}).get("ort_int8", {})
         cells.append(", ".join(f"{op} {c}" for op, c in fused.items()) or "-")
         full, full_speed = e.get("onnxruntime_full"), _speed(e, "onnxruntime_full", "batch1")
         cells.append(f"{full_speed:.2f}x, {full['cosine']:.6f} ({full['top1']:.2f})" if full and full_speed else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return table(header, rows, title=[
+        "The zoo on ONNX Runtime (CPU): every path, fidelity of each target's file to its pt2e model, and the",
+        ("'onnxruntime' file's speed (x = FP32 latency / file latency, median of the rounds' ratios) against ORT's "
+        "quantize_static"),
+        "and quantize_dynamic files of the same model, each at ORT's defaults and with reduce_range ('rr', 7-bit weights).",
+        f"CPU: {results.get('_isa', 'see the run results file')}"])
+
+
+if __name__ == "__main__":
+    from bench.__main__ import main
+
+    sys.exit(main(["zoo", *sys.argv[1:]]))

@@ -294,14 +294,3 @@ def test_an_interrupt_exits_130_and_keeps_no_output(tmp_path):
     err = b"".join(chunks).decode(errors="replace")
     assert process.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-800:]
     assert not out.exists() or not any(out.iterdir())
-
-
-def test_bench_flags_go_to_the_benchmarks_that_take_them_and_bad_ones_stop_the_run(tmp_path):
-    # nothing runs and no results file is written: the usage is checked first
-    wrong = subprocess.run([sys.executable, "-m", "bench", "float_export", "--rounds", "2"], capture_output=True,
-                           text=True, cwd=ROOT, timeout=300, check=False)
-    assert wrong.returncode == 2 and "float_export take(s) no flags" in wrong.stderr
-    unknown = subprocess.run([sys.executable, "-m", "bench", "sweep", "--families", "Nope"], capture_output=True,
-                             text=True, cwd=ROOT, timeout=300, check=False)
-    assert unknown.returncode == 2 and "unknown families Nope" in unknown.stderr
-    assert "CPU:" not in unknown.stdout
