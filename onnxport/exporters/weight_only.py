@@ -477,8 +477,8 @@ def _slim_around_weights(model: ir.Model, weights: list[QuantizedWeight]) -> ir.
 def fusable(w: QuantizedWeight) -> bool:
     """Whether ONNX Runtime's CPU provider fuses this weight's DequantizeLinear into MatMulNBits.
 
-    Measured on ONNX Runtime 1.32: per-axis weights always fuse; blocked ones when the block is
-    a power of two from 16 up. Embeddings (Gather) are never fused.
+    Per-axis weights always fuse; blocked ones when the block is a power of two from 16 up (the
+    block sizes ORT's MatMulNBits kernels take). Embeddings (Gather) are not fused.
     """
     if w.kind != "linear":
         return False

@@ -7,13 +7,12 @@ turns the residual Add and the norm into ``SkipLayerNormalization`` and takes th
 but only a 1-D bias; the bias of a quantized linear with a float output has its input's rank
 (:mod:`onnxport.passes.linear_bias_rank`: a 1-D one would turn the linear into a float Gemm), so
 the fusion leaves it an Add over the whole block output. Written as the fused op with the bias as
-its fifth input, the bias is added in the norm's own pass: on the sweep's BERT two of each layer's
-five bias Adds go, the file 1.03-1.04x faster on an AMD EPYC with AVX-512 VNNI (ORT 1.32, 2
-threads). The kernel adds the three terms in its own order, so the step's proof is the checker.
+its fifth input, the bias is added in the norm's own pass: two of each BERT layer's five bias
+Adds go (the sweep in docs/benchmarks.md measures it). The kernel adds the three terms in its own
+order, so the step's proof is the checker.
 
 A pre-norm layer's sum, which flows on as the next residual too, is left alone: written as the
-kernel with its fourth output (the sum) it ran no faster than the two Adds and the norm
-(StarCoder2 0.98x, BLOOM 1.00x, same CPU).
+kernel with its fourth output (the sum) it is no faster than the two Adds and the norm.
 """
 
 from __future__ import annotations

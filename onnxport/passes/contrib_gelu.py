@@ -136,10 +136,9 @@ class BiasGeluPass(_BiasIntoGelu):
     and a bias ``Add`` of its own: its QDQ fusion has no bias input there, and the bias has the
     input's rank (:mod:`onnxport.passes.linear_bias_rank`) so that ORT's MatMul+Add→Gemm fusion
     keeps the linear INT8 — which also keeps ORT's own Add+Gelu→BiasGelu fusion (a 1-D bias only)
-    from taking it. Written as ``BiasGelu``, the bias is added inside the GELU's one pass: a
-    fixed-shape BERT's file ran at 1.06x FP32 instead of 1.00x (ORT 1.32, AVX-512 VNNI, 2 threads),
-    its outputs bit-identical to ORT's optimised run of the Add and Gelu. Against the five ops it
-    may round a last bit differently, so the step's proof is the checker.
+    from taking it. Written as ``BiasGelu``, the bias is added inside the GELU's one pass, and the
+    outputs are ORT's optimised run of the Add and Gelu, bit for bit. Against the five ops it may
+    round a last bit differently, so the step's proof is the checker.
     """
 
     OP, BIAS_NAME = "BiasGelu", "bias_gelu.bias"

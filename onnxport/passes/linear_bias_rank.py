@@ -6,9 +6,9 @@ Gemm → Reshape`` whenever the MatMul's input shape is fully known, and it runs
 fusions. A linear whose output a QuantizeLinear reads still becomes a QGemm; one whose output
 stays float (the projections before attention's reshape, an MLP's first layer before GELU:
 ``float_linear_outputs``) is left as a float Gemm fed by two DequantizeLinears — the weight is
-dequantized on every run and the product is float. A fixed-batch BERT file ran 6 of its 14
-linears that way: 2.0x slower than with them as ``MatMulIntegerToFloat`` (measured on an AVX2
-EPYC). With a dynamic axis the fusion does not apply, which is why only static files showed it.
+dequantized on every run and the product is float, several times slower than the same linear as
+``MatMulIntegerToFloat``. With a dynamic axis the fusion does not apply, so only files with
+static shapes need this.
 
 The fusion accepts a bias of shape ``[N]`` only when it has to reshape a 3-D input; ``[1, 1, N]``
 broadcasts to the very same sums, so the rewrite changes no value (proven by identical outputs)

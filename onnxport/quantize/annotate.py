@@ -575,10 +575,9 @@ def _leave_summed_outputs_float(model: GraphModule) -> None:
     """Drop the output pair of a conv or linear layer whose only reader is a quantized Add.
 
     OpenVINO's CPU plugin fuses such an Add into the layer (a sum post-op) and applies the layer's
-    FakeQuantize there without its rounding: on a trained CNN with AVX-512 it differed from the
-    file's own semantics by up to 3 steps at 24% of a residual block's outputs and flipped a top-1
-    (4th-generation Xeon, OpenVINO 2026.4). With the pair gone, the model adds the float output as
-    the plugin does. Where both operands are such layers, only the later one loses its pair: the
+    FakeQuantize there without its rounding, so a pair there promises a rounding the plugin does
+    not do (docs/targets.md has the measurement). With the pair gone, the model adds the float
+    output as the plugin does. Where both operands are such layers, only the later one loses its pair: the
     plugin adds the earlier, already computed (and quantized) one into it.
     """
     order = {node: i for i, node in enumerate(model.graph.nodes)}

@@ -3,9 +3,9 @@
 uint8 activations (a ReLU's output on [0, max], so ORT drops the ReLU and fuses the conv),
 int8 weights on the portable range (its x86 kernels without VNNI saturate on full-range pairs),
 int32 biases its integer kernels read, sigmoid and SiLU between pairs, every product of two
-activations (attention's, SDPA's or written by hand) left float (ORT's INT8 product of two activations, QLinearMatMul u8 x u8, ran at 0.86-1.07x its
-float MatMul's speed, below 1 in 6 of 8 sizes: 4-12 heads, 32-64 wide, 64-512 tokens, AVX2 without
-VNNI; the Q/DQ pairs around them cost a pass each besides),
+activations (attention's, SDPA's or written by hand) left float (ORT's INT8 product of two
+activations, QLinearMatMul u8 x u8, is no faster than its float MatMul on x86 CPUs without VNNI,
+and the Q/DQ pairs around it cost a pass each besides: docs/targets.md),
 linear outputs nothing quantized reads left float (QGemm/MatMulIntegerToFloat), and GELU after a
 DequantizeLinear written as ``com.microsoft.Gelu``, the form ORT fuses there, and the bias of a
 linear with a float output at its input's rank, so that ORT's MatMul+Add→Gemm fusion of static

@@ -5,27 +5,21 @@ NNCF's default (performance) preset quantizes is quantized here: convolutions, l
 both operands of attention's products and of residual adds; a ReLU's output on the unsigned
 range from 0 (uint8, so the u8 x s8 kernels read it with no shift), other activations int8
 symmetric, written as uint8 with zero-point 128. Weights are int8 per channel on the portable
-range: oneDNN's x86 kernels without VNNI add pairs of products in a saturating int16 exactly as
-ONNX Runtime's do (measured on an AVX2 EPYC; NNCF's ``overflow_fix`` addresses the first layer
-only). Sigmoid and GELU stay float (no
-INT8 kernel in the plugin).
+range: oneDNN's x86 kernels without VNNI add pairs of products in a saturating int16, as ONNX
+Runtime's do (NNCF's ``overflow_fix`` addresses the first layer only). Sigmoid and GELU stay
+float (no INT8 kernel in the plugin).
 
-Two choices are made for fidelity, measured on a trained CNN as the plugin deploys the file (AVX2
-EPYC, OpenVINO 2026.4): the plugin requantizes through FakeQuantize's range formula, which rounds
-a last bit differently from ``x / scale``, so a linear layer's output that nothing quantized reads
-(the logits) stays float instead of taking one more requantization, and biases are int32
-(input scale x weight scale), added exactly. Cosine with the pt2e model 0.999905 and top-1 0.996
-with quantized logits and float biases; 0.999960 and 1.0 with both. Activations are written
-uint8: with int8 ones the plugin runs its s8 x s8 kernels (oneDNN shifts the activations to u8
-and, without VNNI, rescales the weights to keep pair sums in int16), and a trained transformer
-came out at cosine 0.99979; with uint8 ones, run u8 x s8, at 0.9999999.
+Three rules keep the file's promise as the plugin deploys it (the measurements behind each are in
+docs/targets.md):
 
-A third, measured on a 4th-generation Xeon (AVX-512, VNNI, AMX): the plugin fuses a residual Add
-into the conv or linear layer computing one operand (a sum post-op) and skips the rounding of that
-layer's FakeQuantize. With the pair in the file, a trained CNN's first residual block came out a
-step or more apart from the file at 24% of its outputs and one top-1 of 256 flipped; so that
-output stays float (``fused_sum``), and the model adds what the plugin adds (OpenVINO 2026.4,
-the same INT8 layers and speed).
+- a linear layer's output that nothing quantized reads (the logits) stays float, and biases are
+  int32 (input scale x weight scale), added exactly: the plugin requantizes through FakeQuantize's
+  range formula, which rounds a last bit differently from ``x / scale``;
+- activations are written uint8: with int8 ones the plugin runs s8 x s8 kernels, shifting the
+  activations to u8 and, without VNNI, rescaling the weights to keep pair sums in int16;
+- a conv or linear output that only a residual Add reads stays float (``fused_sum``): the plugin
+  adds the residual inside that layer (a sum post-op) and skips the rounding of the layer's
+  FakeQuantize, so the model adds what the plugin adds.
 """
 
 from ._base import I8, U8, Annotation, ExportDefaults, FileRules, Target
