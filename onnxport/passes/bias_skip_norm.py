@@ -17,80 +17,62 @@ kernel with its fourth output (the sum) it is no faster than the two Adds and th
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
-from .._core.ir import (
-    CONTRIB_DOMAIN,
-    const_array,
-    drop_unread_constants,
-    is_default,
-    last_axis_bias,
-    nodes,
-    only_reader,
-    taken_names,
-    unique_name,
-)
+from .._core.ir import CONTRIB_DOMAIN, const_array, last_axis_bias
 
 
-def _biased_sum(total: ir.Value, norm: ir.Node, hidden: int) -> tuple[ir.Node, ir.Node, ir.Value, ir.Value, np.ndarray] | None:
-    """(the residual Add, the bias Add, the product, the residual, the 1-D bias) of
-    ``total = (y + bias) + skip``, each sum read only on the way to ``norm``."""
-    residual = total.producer()
-    if residual is None or residual.op_type != "Add" or only_reader(total, "LayerNormalization") is not norm:
-        return None
-    for index in (0, 1):
-        biased, skip = residual.inputs[index], residual.inputs[1 - index]
-        add = biased.producer() if biased is not None else None
-        found = add and only_reader(biased, "Add") is residual and last_axis_bias(add)
-        if not found:
-            continue
-        y, bias = found
+class _BiasSkipLayerNorm(pattern.RewriteRuleClassBase):
+    """``LayerNormalization((y + bias) + skip, γ, β)`` → ``SkipLayerNormalization(y, skip, γ, β, bias)``.
+
+    The matcher refuses a match whose inner sums are read outside it, so a pre-norm layer's sum
+    (read again as the next residual) is left alone.
+    """
+
+    def pattern(self, op, y, bias, skip, gamma):
+        # β is optional in LayerNormalization: read from the node when there
+        return op.LayerNormalization(op.Add(op.Add(y, bias), skip), gamma, _allow_other_inputs=True,
+                                     _allow_other_attributes=True, _outputs=["normed"])
+
+    def check(self, context, y, bias, skip, gamma, normed, **_):
+        result = pattern.MatchResult()
+        norm = normed.producer()
+        if norm.attributes.get_int("axis", -1) not in (-1, 2) or norm.attributes.get_int("stash_type", 1) != 1:
+            return result.fail("not a LayerNormalization over the last axis with a float32 stash")
+        weights = [const_array(v) for v in norm.inputs[1:]]
+        if any(w is None or w.ndim != 1 for w in weights):
+            return result.fail("γ or β is not a constant vector")
+        found = last_axis_bias(norm.inputs[0].producer().inputs[0].producer())
+        if found is None or found[0] is not y or found[1].size != weights[0].size:
+            return result.fail("the inner Add's bias is not a constant along the last axis", bias)
         shapes = [v.shape for v in (y, skip)]
-        if any(s is None or s.rank() != 3 for s in shapes) or list(shapes[0]) != list(shapes[1]) or bias.size != hidden:
-            continue
-        return residual, add, y, skip, bias
-    return None
+        if any(s is None or s.rank() != 3 for s in shapes) or list(shapes[0]) != list(shapes[1]):
+            return result.fail("the product and the residual are not same-shaped rank-3 tensors")
+        return result
+
+    def rewrite(self, op, y, bias, skip, gamma, normed, **_):
+        # value names are unique in a model, so the new bias's name is too (the rewriter would
+        # overwrite an initializer of the same name)
+        flat = op.initializer(ir.tensor(const_array(bias).reshape(-1)), name=f"{normed.name}.skip_bias")
+        norm = normed.producer()
+        beta = norm.inputs[2] if len(norm.inputs) > 2 else None
+        epsilon = norm.attributes.get_float("epsilon", 1e-5)
+        fused = op.SkipLayerNormalization(y, skip, gamma, beta, flat, epsilon=epsilon, _domain=CONTRIB_DOMAIN)
+        fused.producer().name = norm.name  # the norm's place in the model, which reports name it by
+        return fused
+
+
+_RULES = pattern.RewriteRuleSet(list(_BiasSkipLayerNorm.rule().commute()))
 
 
 class BiasSkipLayerNormPass(ir.passes.InPlacePass):
     """Rewrite every ``LayerNormalization((y + bias) + skip, γ, β)`` over the last axis of two
     same-shaped rank-3 operands, with a constant bias along that axis, as com.microsoft
-    ``SkipLayerNormalization(y, skip, γ, β, bias)``."""
+    ``SkipLayerNormalization(y, skip, γ, β, bias)`` (graphs and their bodies)."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        taken: set[str] | None = None
-        for norm in list(nodes(model)):
-            graph = norm.graph
-            if not isinstance(graph, ir.Graph) or norm.op_type != "LayerNormalization" or not is_default(norm):
-                continue
-            if any(o.uses() or o.is_graph_output() for o in norm.outputs[1:]) or len(norm.inputs) < 2:
-                continue
-            if norm.attributes.get_int("axis", -1) not in (-1, 2) or norm.attributes.get_int("stash_type", 1) != 1:
-                continue
-            gamma = norm.inputs[1]
-            beta = norm.inputs[2] if len(norm.inputs) > 2 else None
-            weights = [const_array(v) for v in (gamma, beta) if v is not None]
-            if not weights or any(w is None or w.ndim != 1 for w in weights):
-                continue
-            found = _biased_sum(norm.inputs[0], norm, weights[0].size)
-            if found is None:
-                continue
-            residual, add, y, skip, bias = found
-            taken = taken if taken is not None else taken_names(model)
-            name = unique_name("skip_layer_norm.bias", taken)
-            bias_value = ir.Value(name=name, shape=ir.Shape(bias.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                                  const_value=ir.tensor(bias, name=name))
-            graph.register_initializer(bias_value)
-            fused = ir.node("SkipLayerNormalization", inputs=[y, skip, gamma, beta, bias_value],
-                            attributes={"epsilon": norm.attributes.get_float("epsilon", 1e-5)},
-                            domain=CONTRIB_DOMAIN, name=norm.name or None)
-            old_bias = [v for v in add.inputs if v is not y]
-            ir.convenience.replace_nodes_and_values(graph, norm, [add, residual, norm], [fused],
-                                                    [norm.outputs[0]], [fused.outputs[0]])
-            drop_unread_constants(old_bias)
-            modified = True
-        if modified and CONTRIB_DOMAIN not in model.opset_imports:
+        fused = _RULES.apply_to_model(model)
+        if fused and CONTRIB_DOMAIN not in model.opset_imports:
             model.opset_imports[CONTRIB_DOMAIN] = 1
-        return ir.passes.PassResult(model, modified)
+        return ir.passes.PassResult(model, bool(fused))
