@@ -940,3 +940,35 @@ def test_only_the_onnxruntime_preset_runs_the_bias_rules_and_after_every_identic
         if name == "onnxruntime":  # a last-bit step: no identical-outputs proof may follow it
             first = min(i for i, s in enumerate(steps) if s.name in rules)
             assert not any(s.proof is IdenticalOutputs for s in steps[first:])
+
+
+def test_a_relu_between_two_weight_only_matmuls_becomes_max_and_ort_then_fuses_both():
+    from onnxport.passes.relu_as_max import ReluAfterWeightOnlyMatMulPass
+
+    def weight(name, k, n):  # int4 in blocks of 16 along the input features, as torchao's int4 is written
+        q = RNG.integers(-8, 8, (k, n))
+        scale = numpy_helper.from_array((RNG.random((k // 16, n)) * 0.02 + 0.01).astype(np.float32), f"{name}_s")
+        return ([helper.make_tensor(f"{name}_q", TensorProto.INT4, [k, n], q.flatten().tolist()), scale],
+                helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s"], [name], axis=0, block_size=16))
+
+    (w1, dq1), (w2, dq2) = weight("w1", 32, 64), weight("w2", 64, 32)
+    nodes = [dq1, dq2, helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"]),
+             # left alone: a ReLU that is a graph output, and one after a product of float weights
+             helper.make_node("MatMul", ["x", "wf"], ["g"]), helper.make_node("Relu", ["g"], ["gr"]),
+             helper.make_node("MatMul", ["gr", "wf2"], ["z"]), helper.make_node("Relu", ["z"], ["out"])]
+    floats = [numpy_helper.from_array(RNG.standard_normal(s).astype(np.float32), n) for n, s in (("wf", (32, 8)), ("wf2", (8, 8)))]
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 32]),
+                               helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 5, 8])], [*w1, *w2, *floats])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    rewritten, first, second = _apply(ReluAfterWeightOnlyMatMulPass(), model)
+    assert (first, second) == (True, False)
+    onnx.checker.check_model(rewritten, full_check=True)
+    assert [n.op_type for n in rewritten.graph.node].count("Relu") == 2  # the two left alone
+    # ONNX Runtime left the first product dequantized on every run; past the Max it fuses both
+    assert _ort_optimised_ops(model).count("MatMulNBits") == 1
+    assert _ort_optimised_ops(rewritten).count("MatMulNBits") == 2
+    x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
+    for got, want in zip(run(rewritten, {"x": x}, optimized=False), run(model, {"x": x}, optimized=False)):
+        np.testing.assert_array_equal(got, want)  # ReLU's values, every one

@@ -521,13 +521,16 @@ class SlimAroundWeightsPass(ir.passes.PassBase):
 
 def weight_only_steps(weights: list[QuantizedWeight]) -> list[Any]:
     """The graph steps of the weight-only export, each with its proof."""
-    from ..pipeline import LastBit, OnFile, Step
+    from ..passes.relu_as_max import ReluAfterWeightOnlyMatMulPass
+    from ..pipeline import LastBit, OnFile, Step, Structural
 
     return [
         # the integers replace float stand-ins: proven on the file (integers equal torchao's, and
         # agreement with the torchao model at two sizes), not against the graph as produced
         Step("store the weights as torchao's integers", InsertDequantizersPass(weights), OnFile),
         Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit),
+        # after onnxslim, which would write it back as a ReLU
+        Step("a weight-only MatMul's ReLU as Max(x, 0), which ORT fuses past", ReluAfterWeightOnlyMatMulPass(), Structural),
     ]
 
 

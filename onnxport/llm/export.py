@@ -530,6 +530,7 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     from ..exporters.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
     from ..passes.group_query_attention import GroupQueryAttentionPass
     from ..passes.optimize import OnnxSlimPass
+    from ..passes.relu_as_max import ReluAfterWeightOnlyMatMulPass
     from ..passes.rsqrt_div import RsqrtToDivPass
     from ..passes.skip_rms_norm import SkipRmsNormPass
     from ..pipeline import LastBit, OnFile, Step, Structural
@@ -546,6 +547,8 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
     if weights:
         steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
+        steps.append(Step("a weight-only MatMul's ReLU as Max(x, 0), which ORT fuses past",
+                          ReluAfterWeightOnlyMatMulPass(), Structural))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
