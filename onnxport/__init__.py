@@ -99,7 +99,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .exporters.qdq import export_qdq
     from .inspection.rules import check_target
     from .inspection.stats import QDQReport, QDQStats, qdq_report, qdq_stats
-    from .llm import DecoderFile, Seq2SeqFiles, Seq2SeqGenerator, export_decoder, export_seq2seq, generate  # type: ignore[no-redef]  # the module, shadowed by name
+    from .llm import DecoderFile, Seq2SeqFiles, Seq2SeqGenerator, export_decoder, export_seq2seq, generate
     from .pretrained import PretrainedExport, export_pretrained
     from .quantize import Quantizer, QuantSpec, precision_table, quant_spec
     from .rounding import rounding_floor

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from onnxport import DecoderFile, export_decoder, generate
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
-from onnxport.llm.model import past_names
+from onnxport.llm.names import past_names
 from onnxport.passes.ort_fusions import OrtFusionPass
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +135,18 @@ def test_ort_cpu_flavour_fuses_and_generates_the_same_tokens(ort_cpu_llama):
     ids, mask = _prompts(seed=2)
     np.testing.assert_array_equal(generate(result, ids, mask, 64, eos_token_id=None),
                                   _transformers_greedy(model, ids, mask))
+
+
+def test_generating_with_a_written_file_never_imports_torch(ort_cpu_llama):
+    # a process that only generates holds ONNX Runtime and NumPy: torch alone costs ~0.3 GB
+    _, result = ort_cpu_llama
+    script = ("import sys, numpy as np\n"
+              "from onnxport.llm import generate\n"
+              f"ids = generate({str(result)!r}, np.array([[5, 6, 7]]), np.ones((1, 3), np.int64), 2)\n"
+              "print(ids.shape, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["False", "False"], done.stdout
 
 
 def test_ort_cpu_flavour_of_gpt2(tmp_path):

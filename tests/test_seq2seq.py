@@ -119,6 +119,21 @@ def test_a_generator_loads_the_folder_once_and_generates_the_same(exported):
         Seq2SeqGenerator(result.folder.parent)
 
 
+def test_a_generator_process_never_imports_torch(exported):
+    import subprocess
+    import sys
+
+    _, result = exported("t5")
+    script = ("import sys, numpy as np\n"
+              "from onnxport.llm import Seq2SeqGenerator\n"
+              f"ids = Seq2SeqGenerator({str(result.folder)!r}).generate(np.array([[5, 6, 7]]), np.ones((1, 3), np.int64), "
+              "max_new_tokens=2)\n"
+              "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["False", "False"], done.stdout
+
+
 def test_sampling_is_seeded(exported):
     model, result = exported("bart")
     ids, mask = _source(model)

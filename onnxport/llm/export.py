@@ -47,18 +47,8 @@ from ..errors import (
     check_choice,
 )
 from .generate import METADATA_KEY, decode, ort_step
-from .model import (
-    ATTENTION_MASK,
-    INPUT_IDS,
-    POSITION_IDS,
-    DecoderShape,
-    cached_call,
-    cached_forward,
-    check_cache,
-    decoder_shape,
-    load_causal_lm,
-    position_ids_for,
-)
+from .model import DecoderShape, cached_call, cached_forward, check_cache, decoder_shape, load_causal_lm
+from .names import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, position_ids_for
 
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
 FLAVOURS = ("portable", "ort-cpu")

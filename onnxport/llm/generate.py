@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .model import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, position_ids_for
+from .names import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, position_ids_for
 
 #: The file's metadata key holding what generation needs to know about the model (JSON).
 METADATA_KEY = "onnxport.decoder"

@@ -13,17 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import DependencyError, ExportRefusedError, InvalidArgumentError
-
-#: The file's input and output names, as Optimum's ``text-generation-with-past`` writes them.
-INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
-
-
-def past_names(layers: int) -> list[str]:
-    return [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-
-
-def present_names(layers: int) -> list[str]:
-    return [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+from .names import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, past_names, present_names
 
 
 @dataclass(frozen=True)
@@ -209,16 +199,6 @@ def cached_forward(model: torch.nn.Module, shape: DecoderShape) -> Iterator[torc
     # parameter names must be identifiers; the file's input names are given to the exporter
     with forward_replaced(model, forward, [n.replace(".", "_") for n in shape.input_names]):
         yield model
-
-
-def position_ids_for(attention_mask: Any, length: int) -> Any:
-    """Positions of the last ``length`` tokens as transformers' ``generate`` gives them: the
-    count of real tokens before each one (left padding skipped), 1 on padding."""
-    import numpy as np
-
-    positions = np.cumsum(attention_mask, axis=-1) - 1
-    positions[attention_mask == 0] = 1
-    return positions[:, -length:].astype(np.int64)
 
 
 def check_cache(model: torch.nn.Module, shape: DecoderShape, sample: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

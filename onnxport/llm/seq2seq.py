@@ -38,16 +38,11 @@ from .export import (
     WEIGHT_ONLY_COSINE,
     WEIGHT_ONLY_OPSET,
 )
+from .names import DECODER_FILE, ENCODER_FILE, INPUT_FEATURES, INPUT_IDS, LAST_HIDDEN_STATE, LOGITS
+from .names import SEQ2SEQ_METADATA_KEY as METADATA_KEY
 from .search import DecoderStep, Settings, greedy_or_sample, interleave
 from .seq2seq_generate import Encode, ort_decoder, ort_encoder
 from .seq2seq_model import (
-    DECODER_FILE,
-    ENCODER_FILE,
-    INPUT_FEATURES,
-    INPUT_IDS,
-    LAST_HIDDEN_STATE,
-    LOGITS,
-    METADATA_KEY,
     Seq2SeqShape,
     decoder_call,
     decoder_forward,

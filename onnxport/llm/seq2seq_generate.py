@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .search import DecoderStep, Settings, interleave, search
-from .seq2seq_model import (
+from .names import (
     DECODER_FILE,
     ENCODER_ATTENTION_MASK,
     ENCODER_FILE,
     INPUT_IDS,
-    METADATA_KEY,
 )
+from .names import SEQ2SEQ_METADATA_KEY as METADATA_KEY
+from .search import DecoderStep, Settings, interleave, search
 
 #: ``encode(source, attention_mask) -> [last_hidden_state, *cross keys and values]``
 Encode = Callable[[np.ndarray, "np.ndarray | None"], list[np.ndarray]]

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from ..errors import ExportRefusedError, InvalidArgumentError
-
-ENCODER_FILE, DECODER_FILE = "encoder_model.onnx", "decoder_model.onnx"
-#: Input and output names, as Optimum's seq2seq exports write them.
-INPUT_IDS, ATTENTION_MASK, INPUT_FEATURES = "input_ids", "attention_mask", "input_features"
-ENCODER_ATTENTION_MASK, LAST_HIDDEN_STATE, LOGITS = "encoder_attention_mask", "last_hidden_state", "logits"
-#: The metadata key both files carry (JSON): what generation needs to know about the model.
-METADATA_KEY = "onnxport.seq2seq"
+from .names import (
+    ATTENTION_MASK,
+    ENCODER_ATTENTION_MASK,
+    INPUT_FEATURES,
+    INPUT_IDS,
+    LAST_HIDDEN_STATE,
+    LOGITS,
+)
 
 
 @dataclass(frozen=True)
