@@ -972,3 +972,40 @@ def test_a_relu_between_two_weight_only_matmuls_becomes_max_and_ort_then_fuses_b
     x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
     for got, want in zip(run(rewritten, {"x": x}, optimized=False), run(model, {"x": x}, optimized=False)):
         np.testing.assert_array_equal(got, want)  # ReLU's values, every one
+
+
+def test_int4_dequantize_matmul_becomes_matmul_nbits_holding_the_same_integers():
+    from onnxport.passes.matmul_nbits import PACKED_SUFFIX, MatMulNBitsPass, unpacked
+
+    k, n, block = 48, 24, 16  # three blocks: the zero-points' rows are padded to whole bytes
+    q = RNG.integers(-8, 8, (k, n))
+    zp = RNG.integers(-8, 8, (k // block, n))
+    scale = (RNG.random((k // block, n)) * 0.02 + 0.01).astype(np.float32)
+    inits = [helper.make_tensor("q", TensorProto.INT4, [k, n], q.flatten().tolist()), numpy_helper.from_array(scale, "s"),
+             helper.make_tensor("zp", TensorProto.INT4, [k // block, n], zp.flatten().tolist()),
+             helper.make_tensor("q2", TensorProto.INT4, [k, n], q[::-1].flatten().tolist())]
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["w"], axis=0, block_size=block),
+             helper.make_node("DequantizeLinear", ["q2", "s"], ["w2"], axis=0, block_size=block),  # symmetric
+             helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("MatMul", ["x", "w2"], ["h2"]),
+             helper.make_node("Add", ["h", "h2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    rewritten, first, second = _apply(MatMulNBitsPass(accuracy_level=0), model)
+    assert (first, second) == (True, False)
+    onnx.checker.check_model(rewritten)
+    assert [node.op_type for node in rewritten.graph.node] == ["MatMulNBits", "MatMulNBits", "Add"]
+    # read back, the very integers, scales and zero-points (a symmetric weight's: none, a zero)
+    ir_model = ir.from_proto(rewritten)
+    arrays = {name: v.const_value.numpy() for name, v in ir_model.graph.initializers.items()}
+    for node, (want_q, want_zp) in zip([n for n in ir_model.graph if n.op_type == "MatMulNBits"], [(q, zp), (q[::-1], None)]):
+        name = node.inputs[1].name.removesuffix(PACKED_SUFFIX)
+        got = unpacked(node, arrays[node.inputs[1].name], arrays[node.inputs[2].name],
+                       arrays[node.inputs[3].name] if len(node.inputs) > 3 else None)
+        assert name in ("w", "w2") and np.array_equal(got["q"], want_q) and np.array_equal(got["scale"], scale)
+        assert (got["zp"] is None) == (want_zp is None) and (want_zp is None or np.array_equal(got["zp"], want_zp))
+        assert (got["axis"], got["block_size"]) == (0, block)
+    # float activations (level 0): the same products as the DequantizeLinear's, up to summation order
+    x = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    np.testing.assert_allclose(run(rewritten, {"x": x}, optimized=False)[0], run(model, {"x": x}, optimized=False)[0],
+                               rtol=1e-5, atol=1e-5)

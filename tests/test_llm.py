@@ -149,6 +149,28 @@ def test_generating_with_a_written_file_never_imports_torch(ort_cpu_llama):
     assert done.stdout.split()[-2:] == ["False", "False"], done.stdout
 
 
+def test_ort_cpu_int4_file_holds_matmul_nbits_with_the_portable_files_integers(tmp_path):
+    # ORT fusing the pair at load kept both the file's int4 tensors and its repacked copies in
+    # memory; written as MatMulNBits, the file holds them once
+    from onnxport.exporters.weight_only import file_weights
+
+    model = _model("llama")
+    portable = export_decoder(model, tmp_path / "portable.onnx", precision="int4", group_size=32)
+    fused = export_decoder(model, tmp_path / "ort-cpu.onnx", precision="int4", group_size=32, flavour="ort-cpu")
+    nodes = onnx.load_model(str(fused), load_external_data=False).graph.node
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert [n.op_type for n in nodes].count("MatMulNBits") == linears and "DequantizeLinear" not in {n.op_type for n in nodes}
+    assert {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"} == {4}
+    held, written = file_weights(portable), file_weights(fused)
+    assert held.keys() == written.keys() and len(held) == linears
+    for name, entry in written.items():  # the very integers, scales and blocks torchao gave the portable file
+        assert entry["readers"] == ["MatMulNBits"] and entry["block_size"] == held[name]["block_size"] == 32
+        assert np.array_equal(entry["q"], held[name]["q"]) and np.array_equal(entry["scale"], held[name]["scale"])
+    # proven with float activations (level 0, torchao's arithmetic), measured as deployed (level 4)
+    assert fused.agreement and fused.deployed is not None
+    assert fused.runtime_fusions.get("MatMulNBits") == linears
+
+
 def test_ort_cpu_flavour_of_gpt2(tmp_path):
     model = _model("gpt2")
     result = export_decoder(model, tmp_path / "decoder.onnx", flavour="ort-cpu")  # opset 23: its own Attention

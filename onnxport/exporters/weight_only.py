@@ -360,13 +360,22 @@ def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each DequantizeLinear of an int4/int8 initializer in a file, one at a time.
 
     Yields ``(output name, entry)``; the entry holds ``q`` (int8 values), ``scale``, ``zp``
-    (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types.
+    (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types. A
+    4-bit ``MatMulNBits`` weight comes as the DequantizeLinear it stands for, named as that one's
+    output, its reader ``MatMulNBits``.
     One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
     from .._core.ir import read_model
     from ..inspection.view import qdq_nodes
+    from ..passes.matmul_nbits import PACKED_SUFFIX, unpacked
 
     model, _ = read_model(path)
+    for node in model.graph.all_nodes():  # int4 weights the file holds as MatMulNBits ('ort-cpu' decoders)
+        if node.op_type != "MatMulNBits" or node.attributes.get_int("bits", 4) != 4 or node.inputs[1] is None:
+            continue
+        arrays = [v.const_value.numpy() if v is not None and v.const_value is not None else None for v in node.inputs[1:4]]
+        entry = unpacked(node, arrays[0], arrays[1], arrays[2] if len(arrays) > 2 else None)
+        yield node.inputs[1].name.removesuffix(PACKED_SUFFIX), {**entry, "dtype": ir.DataType.INT4, "readers": ["MatMulNBits"]}
     for q in qdq_nodes(model):
         if q.op_type != "DequantizeLinear" or q.integers is None or q.integers.dtype not in _FILE_TYPES:
             continue

@@ -223,13 +223,33 @@ def _forced_decoding(step: Any, shape: DecoderShape, tokens: np.ndarray) -> tupl
     return logits, float(np.mean(agree))
 
 
+def _float_activations(path: Path) -> tuple[bytes, Any] | None:
+    """The file's graph with every ``MatMulNBits`` at accuracy level 0 (float activations), and
+    session options that find its weights in the file's folder; None when it holds no other level.
+    Its integers are the file's own: only the kernel's arithmetic differs."""
+    import onnxruntime as ort
+
+    proto = onnx.load_model(str(path), load_external_data=False)
+    levels = [a for n in proto.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"]
+    if not any(a.i for a in levels):
+        return None
+    for attribute in levels:
+        attribute.i = 0
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
+    return proto.SerializeToString(), options
+
+
 def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimized: bool) -> tuple[list[np.ndarray], float]:
     """The file's last logits at every step, teacher-forced with the model's tokens (see
-    :func:`_forced_decoding`), and how often its own pick matched."""
+    :func:`_forced_decoding`), and how often its own pick matched. Unoptimised, the file's
+    ``MatMulNBits`` compute with float activations (its ONNX semantics, torchao's arithmetic)."""
     from ..runtime import make_session
 
     try:
-        session = make_session(path, optimized=optimized)
+        twin = None if optimized else _float_activations(path)
+        session = (make_session(path, optimized=optimized) if twin is None
+                   else make_session(twin[0], optimized=False, session_options=twin[1]))
     except Exception as error:  # ONNX Runtime raises its own Fail/InvalidGraph types
         raise _RuntimeRefused(f"ONNX Runtime cannot load it: {_first_line(error)}") from error
     try:
@@ -314,7 +334,9 @@ def export_decoder(
             ``'int8'``: the faithful weight-only file — every Linear's weights are torchao's
             integers (symmetric, ``group_size`` per scale) as ``DequantizeLinear``, which ONNX
             Runtime fuses into ``MatMulNBits`` when it loads the file (at the accuracy level its
-            session option ``session.qdq_matmulnbits_accuracy_level`` says, default 4).
+            session option ``session.qdq_matmulnbits_accuracy_level`` says, default 4); in the
+            ``'ort-cpu'`` flavour, int4 weights are written as ``MatMulNBits`` at accuracy level 4
+            (the same integers, held once in memory where the fused pair holds them twice).
         flavour: ``'portable'`` (standard ONNX operators at the oldest opset that states the
             file) or ``'ort-cpu'`` (fused for ONNX Runtime's CPU: at opset 23, com.microsoft
             ``GroupQueryAttention`` over the cache, ``SkipSimplifiedLayerNormalization`` for
@@ -333,7 +355,8 @@ def export_decoder(
         model, feeding both the model's tokens: every step's logits must agree (fp32: within
         ``1e-4`` of the logits' scale; fp16: cosine ≥ 0.9999 with the half model; int4/int8:
         cosine ≥ 0.9999 with the torchao model),
-        at ONNX Runtime's unoptimised level; the default level is measured and reported.
+        at ONNX Runtime's unoptimised level (a file's ``MatMulNBits`` there with float
+        activations, accuracy level 0); the default level is measured and reported.
     """
     from tqdm.auto import tqdm
 
@@ -511,14 +534,16 @@ class _Job:
     floor: FloatFloor | str | None = None
 
 
-def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -> list:
+def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, nbits: bool = False) -> list:
     """The decoder's graph steps, each with its proof: torchao's integers in place (int4/int8),
     ONNX Runtime's fusions (``'ort-cpu'``; before onnxslim, whose rewrites hide the patterns
-    onnxscript looks for), and onnxslim's clean-up with the weights lifted out of its reach."""
+    onnxscript looks for), onnxslim's clean-up with the weights lifted out of its reach, and with
+    ``nbits`` the int4 weights written as ORT's ``MatMulNBits`` (accuracy level 4)."""
     from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
     from ..exporters.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
     from ..passes.group_query_attention import GroupQueryAttentionPass
+    from ..passes.matmul_nbits import MatMulNBitsPass
     from ..passes.optimize import OnnxSlimPass
     from ..passes.relu_as_max import ReluAfterWeightOnlyMatMulPass
     from ..passes.rsqrt_div import RsqrtToDivPass
@@ -539,6 +564,10 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False) -
         steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
         steps.append(Step("a weight-only MatMul's ReLU as Max(x, 0), which ORT fuses past",
                           ReluAfterWeightOnlyMatMulPass(), Structural))
+    if weights and nbits:
+        # ORT's kernel at its default level for the pair it would fuse itself: int8 activations;
+        # the proof runs the file's integers at level 0 as well (torchao's arithmetic)
+        steps.append(Step("int4 weights as ONNX Runtime's MatMulNBits", MatMulNBitsPass(accuracy_level=4), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
@@ -575,7 +604,8 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
                                  ranges={"total_sequence": (4, None)}).model
 
     steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None,
-                          contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET)
+                          contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET,
+                          nbits=job.flavour == "ort-cpu" and job.precision == "int4")
     record = {**shape.__dict__, "precision": job.precision, "flavour": job.flavour,
               "group_size": job.group_size if weights else None}
     steps.append(Step("record the decoder", SetMetadataPass({METADATA_KEY: json.dumps(record)}), Structural))

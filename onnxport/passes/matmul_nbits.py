@@ -1,0 +1,131 @@
+"""Write each int4 ``DequantizeLinear → MatMul`` as ONNX Runtime's ``com.microsoft.MatMulNBits``.
+
+ONNX Runtime fuses the pair itself when it loads a file, but it keeps the file's int4 tensors and
+the fused node's repacked copies both in memory (on a stack of int4 MatMuls the process held 0.67x
+the int4 bytes more than with the same weights written as MatMulNBits), and its QDQ selectors miss
+some pairs (:mod:`onnxport.passes.relu_as_max`). Written here, the node holds the very integers,
+scales and zero-points: ``q + 8`` as unsigned 4-bit values, two to a byte, low nibble first, a
+block's values together per output column; the default zero-point (8) stands for a symmetric
+weight's zero. :func:`unpacked` reads one back as the ``DequantizeLinear`` layout it came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from .._core.ir import CONTRIB_DOMAIN, const_array, is_default, nodes
+
+#: the packed weight's name: the dequantized weight's name and this suffix
+PACKED_SUFFIX = ".nbits"
+_INT4 = (ir.DataType.INT4, ir.DataType.UINT4)
+
+
+def _pack(values: np.ndarray) -> np.ndarray:
+    """Unsigned 4-bit values along the last axis (even length), two to a byte, low nibble first."""
+    values = values.astype(np.uint8)
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _unpack(packed: np.ndarray, count: int) -> np.ndarray:
+    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return values[..., :count]
+
+
+def _matmul_nbits_of(dq: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int] | None:
+    """(q as unsigned [K, N], scales [K/block, N], unsigned zero-points or None, block) of an int4
+    blocked DequantizeLinear MatMulNBits can hold, else None."""
+    if dq.op_type != "DequantizeLinear" or not is_default(dq) or len(dq.inputs) < 2:
+        return None
+    q_value = dq.inputs[0]
+    if q_value is None or q_value.const_value is None or q_value.const_value.dtype not in _INT4:
+        return None
+    q, scale = const_array(q_value), const_array(dq.inputs[1])
+    zp = const_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+    block = dq.attributes.get_int("block_size", 0)
+    if q is None or scale is None or q.ndim != 2 or scale.dtype != np.float32 or dq.attributes.get_int("axis", 1) not in (0, -2):
+        return None
+    k, n = q.shape
+    if block < 16 or block & (block - 1) or k % block or scale.shape != (k // block, n):
+        return None
+    signed = q_value.const_value.dtype == ir.DataType.INT4
+    shift = 8 if signed else 0  # MatMulNBits holds unsigned values
+    if zp is None:
+        # a signed weight's zero is MatMulNBits' default zero-point (8); an unsigned one's is 0
+        unsigned_zp = None if signed else np.zeros(scale.shape, np.int16)
+    elif zp.shape != scale.shape:
+        return None
+    else:
+        unsigned_zp = zp.astype(np.int16) + shift
+        if (unsigned_zp == 8).all():
+            unsigned_zp = None
+    return (q.astype(np.int16) + shift).astype(np.uint8), scale, unsigned_zp, block
+
+
+class MatMulNBitsPass(ir.passes.InPlacePass):
+    """Replace each MatMul whose weight is an int4, blocked (a power of two from 16), constant
+    ``DequantizeLinear`` read by that MatMul alone with ``com.microsoft.MatMulNBits`` holding the same
+    integers, scales and zero-points, at ``accuracy_level`` (4: int8 activations, what ONNX Runtime
+    gives the pair it fuses itself by default; 0: float activations). Graphs and their bodies."""
+
+    def __init__(self, accuracy_level: int = 4) -> None:
+        super().__init__()
+        self.accuracy_level = accuracy_level
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for matmul in list(nodes(model)):
+            graph = matmul.graph
+            if matmul.op_type != "MatMul" or not is_default(matmul) or not isinstance(graph, ir.Graph):
+                continue
+            weight = matmul.inputs[1]
+            dq = weight.producer() if weight is not None else None
+            if dq is None or len(list(weight.uses())) != 1 or weight.is_graph_output():
+                continue
+            found = _matmul_nbits_of(dq)
+            if found is None:
+                continue
+            q, scale, zp, block = found
+            k, n = q.shape
+            blocks = k // block
+            name = weight.name or f"{matmul.name}.weight"
+            inputs = [matmul.inputs[0],
+                      _initializer(graph, name + PACKED_SUFFIX, _pack(q.T.reshape(n, blocks, block))),
+                      _initializer(graph, name + PACKED_SUFFIX + "_scales", np.ascontiguousarray(scale.T).reshape(-1))]
+            if zp is not None:
+                padded = np.pad(zp.T, ((0, 0), (0, blocks % 2)), constant_values=8)
+                inputs.append(_initializer(graph, name + PACKED_SUFFIX + "_zero_points", _pack(padded).reshape(-1)))
+            fused = ir.node("MatMulNBits", inputs, {"K": k, "N": n, "bits": 4, "block_size": block,
+                                                    "accuracy_level": self.accuracy_level},
+                            domain=CONTRIB_DOMAIN, name=matmul.name or None)
+            ir.convenience.replace_nodes_and_values(graph, matmul, [dq, matmul], [fused], [matmul.outputs[0]],
+                                                    [fused.outputs[0]])
+            for value in dq.inputs:
+                if value is not None and not list(value.uses()) and value.name in graph.initializers:
+                    graph.initializers.pop(value.name)
+            modified = True
+        if modified and CONTRIB_DOMAIN not in model.opset_imports:
+            model.opset_imports[CONTRIB_DOMAIN] = 1
+        return ir.passes.PassResult(model, modified)
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def unpacked(node: Any, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> dict[str, Any]:
+    """A 4-bit MatMulNBits' weight as the DequantizeLinear it stands for: signed int4 ``q`` [K, N],
+    ``scale`` [K/block, N], signed ``zp`` (None when the node has none: 8, a signed zero),
+    ``axis`` 0 and ``block_size``."""
+    k, n, block = (node.attributes.get_int(key, 0) for key in ("K", "N", "block_size"))
+    blocks = k // block
+    q = _unpack(b.reshape(n, blocks, block // 2), block).reshape(n, k).T.astype(np.int8) - 8
+    zp = None
+    if zero_points is not None:
+        zp = (_unpack(zero_points.reshape(n, -1), blocks).T.astype(np.int8) - 8)
+    return {"q": q, "scale": scales.reshape(n, blocks).T.copy(), "zp": zp, "axis": 0, "block_size": block}
