@@ -98,7 +98,7 @@ print(json.dumps({"export_s": time.perf_counter() - start, "peak": peak(), "toke
 _OURS = _PEAK + r"""
 import json, sys, time
 import numpy as np
-from onnxport.llm.generate import _empty_past, decode, ort_step
+from onnxport.llm.generate import decode, empty_past, ort_step
 from onnxport.runtime import make_session
 path, ids = sys.argv[1], np.array(json.loads(sys.argv[2]), dtype=np.int64)[None]
 session = make_session(path)
@@ -108,7 +108,7 @@ def timed(*args):
     marks.append(time.perf_counter())
     return out
 start = time.perf_counter()
-tokens = decode(timed, ids, np.ones_like(ids), _empty_past(session, 1), int(sys.argv[3]), lambda last: last.argmax(-1))
+tokens = decode(timed, ids, np.ones_like(ids), empty_past(session, 1), int(sys.argv[3]), lambda last: last.argmax(-1))
 print(json.dumps({"prefill_ms": (marks[0] - start) * 1e3, "decode_tok_s": (len(marks) - 1) / (marks[-1] - marks[0]),
                   "peak": peak(), "tokens": tokens[0, ids.shape[1]:].tolist()}))
 """

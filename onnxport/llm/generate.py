@@ -135,7 +135,8 @@ def ort_step(session: Any) -> Step:
     return step
 
 
-def _empty_past(session: Any, batch: int) -> list[np.ndarray]:
+def empty_past(session: Any, batch: int) -> list[np.ndarray]:
+    """A decoder session's cache inputs for ``batch`` rows with nothing in them yet (the first step's past)."""
     past = []
     for value in session.get_inputs()[3:]:
         _, heads, _, dim = value.shape
@@ -255,7 +256,7 @@ def generate(
     pad = info.get("pad_token_id") if pad_token_id == -1 else pad_token_id
     if pad is None:
         pad = eos[0] if eos else 0
-    return decode(ort_step(session), ids, mask, _empty_past(session, len(ids)), max_new_tokens,
+    return decode(ort_step(session), ids, mask, empty_past(session, len(ids)), max_new_tokens,
                   _pick(bool(do_sample), float(temperature), top_k, float(top_p), seed),
                   eos_token_ids=eos, pad_token_id=int(pad))
 
