@@ -995,6 +995,10 @@ def test_int4_dequantize_matmul_becomes_matmul_nbits_holding_the_same_integers()
     assert (first, second) == (True, False)
     onnx.checker.check_model(rewritten)
     assert [node.op_type for node in rewritten.graph.node] == ["MatMulNBits", "MatMulNBits", "Add"]
+    # the int4 tensors are gone, not kept beside their packed copies (the scales the second weight
+    # shared with the first went with it)
+    assert {t.name for t in rewritten.graph.initializer} == {f"{w}{PACKED_SUFFIX}{part}" for w in ("w", "w2")
+                                                             for part in ("", "_scales")} | {f"w{PACKED_SUFFIX}_zero_points"}
     # read back, the very integers, scales and zero-points (a symmetric weight's: none, a zero)
     ir_model = ir.from_proto(rewritten)
     arrays = {name: v.const_value.numpy() for name, v in ir_model.graph.initializers.items()}

@@ -657,6 +657,9 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
         # no step is proven by identical outputs (the decoding proof on the file covers them all),
         # so no copy of the graph as captured is kept: at LLM sizes it would cost the weights again
         keep_reference=False, before_write=read_fusions,
+        # weights in model.onnx.data at every size: ONNX Runtime maps them instead of parsing and
+        # copying a protobuf that holds them
+        external_data=True,
         rules=([integers] if weights else []) + [decoding],
         # int4/int8: what ONNX Runtime made of the file (its MatMulNBits), read from its optimised
         # graph; an fp32 file's would be a copy of every weight on disk, for nothing to count

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from .._core.ir import CONTRIB_DOMAIN, const_array, is_default, nodes
+from .._core.ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, is_default, nodes
 
 #: the packed weight's name: the dequantized weight's name and this suffix
 PACKED_SUFFIX = ".nbits"
@@ -100,11 +100,10 @@ class MatMulNBitsPass(ir.passes.InPlacePass):
             fused = ir.node("MatMulNBits", inputs, {"K": k, "N": n, "bits": 4, "block_size": block,
                                                     "accuracy_level": self.accuracy_level},
                             domain=CONTRIB_DOMAIN, name=matmul.name or None)
+            dequantized = [v for v in dq.inputs if v is not None]  # the removal below detaches them
             ir.convenience.replace_nodes_and_values(graph, matmul, [dq, matmul], [fused], [matmul.outputs[0]],
                                                     [fused.outputs[0]])
-            for value in dq.inputs:
-                if value is not None and not list(value.uses()) and value.name in graph.initializers:
-                    graph.initializers.pop(value.name)
+            drop_unread_constants(dequantized)
             modified = True
         if modified and CONTRIB_DOMAIN not in model.opset_imports:
             model.opset_imports[CONTRIB_DOMAIN] = 1
