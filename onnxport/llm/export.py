@@ -77,12 +77,13 @@ class DecoderFile:
     """What :func:`export_decoder` wrote and proved. ``os.fspath`` gives the ``.onnx`` file.
 
     Attributes:
-        path: the ONNX decoder (its weights in ``<name>.data`` beside it when large).
+        path: the ONNX decoder (its weights in ``<name>.data`` beside it).
         precision, flavour: as asked.
         fusions: the fused operators the file holds, by type: opset 23's ``Attention``,
             ``RotaryEmbedding`` and ``RMSNormalization``, and com.microsoft ones onnxscript wrote.
         runtime_fusions: int4/int8: the com.microsoft operators in the graph ONNX Runtime makes
-            of the file when it loads it (``MatMulNBits`` per quantized linear).
+            of the file when it loads it (``MatMulNBits`` per quantized linear, fused at load or
+            written in the file).
         agreement: the file's logits against the model's on the proof's prompts, at ONNX
             Runtime's unoptimised level (ONNX semantics), prefill and every decode step.
         deployed: the same at ONNX Runtime's default level, as a user's session runs the file.
