@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from bench._framework import option
 from onnxport.runtime import ONNXModel
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    """What a run of a file-latency benchmark measures (each benchmark subclasses it as its Config).
+
+    Attributes:
+        repeat: ONNX Runtime runs behind each median latency.
+        out_dir: where the files are written and kept (None: a temporary folder, removed).
+    """
+
+    repeat: int = option(30, "ONNX Runtime runs behind each median latency")
+    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
+
+    def check(self) -> None:
+        if self.repeat < 1:
+            raise ValueError("--repeat must be at least 1")
 
 
 def ort_latency_ms(path: str, feeds: dict, *, repeat: int = 30, warmup: int = 5) -> float:

@@ -13,28 +13,16 @@ from pathlib import Path
 
 import torch
 
-from bench._framework import cell, option, scratch, table
-from bench._timing import latencies, speedup
+from bench._framework import cell, scratch, table
+from bench._timing import LatencyConfig, latencies, speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.models import ResNet18
 
 
 @dataclass(frozen=True)
-class Config:
-    """What one run measures.
-
-    Attributes:
-        repeat: ONNX Runtime runs behind each median latency.
-        out_dir: where the files are written and kept (None: a temporary folder, removed).
-    """
-
-    repeat: int = option(30, "ONNX Runtime runs behind each median latency")
-    out_dir: str | None = option(None, "keep the files in this folder (default: a temporary one, removed)")
-
-    def check(self) -> None:
-        if self.repeat < 1:
-            raise ValueError("--repeat must be at least 1")
+class Config(LatencyConfig):
+    """What one run measures: the repeat count and where the files go (see :class:`LatencyConfig`)."""
 
 
 def run(config: Config = Config()) -> dict:

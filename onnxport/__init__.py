@@ -6,9 +6,9 @@ never pays for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._core.lazy import lazy_names
 from ._version import __version__
 
 _EXPORTS = {
@@ -106,14 +106,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import ONNXModel
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'onnxport' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, __all__)

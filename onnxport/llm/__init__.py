@@ -8,8 +8,9 @@ The names load lazily: generating with a written folder imports ONNX Runtime and
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._core.lazy import lazy_names
 
 # bound now, not lazily: the submodule of the same name would otherwise shadow the function
 # whenever it is imported first (it needs NumPy only)
@@ -30,14 +31,4 @@ if TYPE_CHECKING:
     from .seq2seq_generate import Seq2SeqGenerator
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'onnxport.llm' has no attribute '{name}'")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, __all__)
