@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from .._core.ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, is_default, nodes
+from .._core.ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, is_default
 
 #: the packed weight's name: the dequantized weight's name and this suffix
 PACKED_SUFFIX = ".nbits"
@@ -68,7 +68,8 @@ class MatMulNBitsPass(ir.passes.InPlacePass):
     """Replace each MatMul whose weight is an int4, blocked (a power of two from 16), constant
     ``DequantizeLinear`` read by that MatMul alone with ``com.microsoft.MatMulNBits`` holding the same
     integers, scales and zero-points, at ``accuracy_level`` (4: int8 activations, what ONNX Runtime
-    gives the pair it fuses itself by default; 0: float activations). Graphs and their bodies."""
+    gives the pair it fuses itself by default; 0: float activations). The graph and its bodies;
+    functions, which hold no initializers, are left as they are."""
 
     def __init__(self, accuracy_level: int = 4) -> None:
         super().__init__()
@@ -76,7 +77,8 @@ class MatMulNBitsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        for matmul in list(nodes(model)):
+        # the model's graph and its bodies, not functions: the packed weights are initializers
+        for matmul in list(ir.traversal.RecursiveGraphIterator(model.graph)):
             graph = matmul.graph
             if matmul.op_type != "MatMul" or not is_default(matmul) or not isinstance(graph, ir.Graph):
                 continue

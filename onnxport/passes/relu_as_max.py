@@ -45,15 +45,13 @@ class ReluAfterWeightOnlyMatMulPass(ir.passes.InPlacePass):
             if relu.op_type != "Relu" or not is_default(relu) or not _blocks_fusion(relu):
                 continue
             dtype = relu.inputs[0].dtype or ir.DataType.FLOAT
-            zero = ir.Value(name=f"{relu.outputs[0].name}.zero", shape=ir.Shape([]), type=ir.TensorType(dtype),
-                            const_value=ir.tensor(np.zeros((), dtype=dtype.numpy())))
+            # a Constant node, not an initializer: the ReLU may sit in a function, which holds none
+            constant = ir.node("Constant", [], attributes={"value": ir.tensor(np.zeros((), dtype=dtype.numpy()))},
+                               name=f"{relu.name}.zero" if relu.name else None)
+            relu.graph.insert_before(relu, constant)
+            zero = constant.outputs[0]
+            zero.name = f"{relu.outputs[0].name}.zero"
             graph = relu.graph
-            if isinstance(graph, ir.Graph):
-                graph.register_initializer(zero)
-            else:  # a function holds no initializers: the zero is a Constant node of its own
-                constant = ir.node("Constant", [], attributes={"value": zero.const_value})
-                graph.insert_before(relu, constant)
-                zero = constant.outputs[0]
             maximum = ir.node("Max", [relu.inputs[0], zero], name=relu.name or None)
             ir.convenience.replace_nodes_and_values(graph, relu, [relu], [maximum], [relu.outputs[0]], [maximum.outputs[0]])
             modified = True
