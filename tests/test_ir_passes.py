@@ -1013,3 +1013,22 @@ def test_int4_dequantize_matmul_becomes_matmul_nbits_holding_the_same_integers()
     x = RNG.standard_normal((2, 3, k)).astype(np.float32)
     np.testing.assert_allclose(run(rewritten, {"x": x}, optimized=False)[0], run(model, {"x": x}, optimized=False)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_passes_that_add_initializers_walk_the_graph_and_its_bodies_not_functions():
+    # onnx_ir gives a function's nodes an ir.Graph too: only the walk keeps initializers out of functions
+    from onnxport._core.ir import graph_nodes, nodes
+
+    body = helper.make_graph([helper.make_node("Relu", ["x"], ["b"], name="in_body")], "body", [],
+                             [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])])
+    function = helper.make_function("local", "F", ["a"], ["c"], [helper.make_node("Relu", ["a"], ["c"], name="in_function")],
+                                    [helper.make_opsetid("", 21)])
+    graph = helper.make_graph([helper.make_node("If", ["flag"], ["y"], then_branch=body, else_branch=body, name="branch"),
+                               helper.make_node("F", ["y"], ["z"], domain="local", name="call")], "g",
+                              [helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    model = ir.from_proto(helper.make_model(graph, functions=[function], opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("local", 1)]))
+    assert {n.name for n in nodes(model)} == {"branch", "call", "in_body", "in_function"}
+    assert {n.name for n in graph_nodes(model)} == {"branch", "call", "in_body"}

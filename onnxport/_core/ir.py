@@ -46,6 +46,13 @@ def nodes(model: ir.Model):
         yield from ir.traversal.RecursiveGraphIterator(function)
 
 
+def graph_nodes(model: ir.Model):
+    """Every node of the main graph and its If/Loop/Scan bodies, not of functions: for a rewrite that
+    adds initializers, which a function cannot hold (onnx_ir gives a function's nodes an
+    ``ir.Graph`` too, so ``node.graph`` does not tell them apart)."""
+    yield from ir.traversal.RecursiveGraphIterator(model.graph)
+
+
 def only_reader(value: ir.Value, op_type: str, input_index: int | None = None) -> ir.Node | None:
     """The one default-domain ``op_type`` node that reads ``value`` (at ``input_index``, when given),
     or None when anything else reads it too or it is a graph output: a rewrite may then own it."""

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from .._core.ir import (
     CONTRIB_DOMAIN,
     drop_unread_constants,
+    graph_nodes,
     is_default,
     is_scalar,
     last_axis_bias,
@@ -105,9 +106,9 @@ class _BiasIntoGelu(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         taken: set[str] | None = None
-        for start in list(nodes(model)):
+        for start in list(graph_nodes(model)):  # it adds an initializer, which a function cannot hold
             graph = start.graph
-            found = self.match(start) if isinstance(graph, ir.Graph) else None  # a function holds no initializer
+            found = self.match(start) if isinstance(graph, ir.Graph) else None
             biased = found and _bias_of(start.inputs[0], found)
             if not biased:
                 continue

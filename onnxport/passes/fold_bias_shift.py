@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._core.ir import const_array, drop_unread_constants, is_default, nodes, taken_names, unique_name
+from .._core.ir import const_array, drop_unread_constants, graph_nodes, is_default, taken_names, unique_name
 
 
 def _known(value: ir.Value | None) -> ir.Shape | None:
@@ -86,9 +86,9 @@ class FoldBiasIntoShiftPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         taken: set[str] | None = None
-        for add in list(nodes(model)):
+        for add in list(graph_nodes(model)):  # it adds initializers, which a function cannot hold
             graph = add.graph
-            if not isinstance(graph, ir.Graph):  # removed by an earlier fold, or in a function (no initializers)
+            if not isinstance(graph, ir.Graph):  # removed by an earlier fold
                 continue
             found = _constant_addend(add)
             shape = _known(add.outputs[0])

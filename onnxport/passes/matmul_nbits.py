@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from .._core.ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, is_default
+from .._core.ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, graph_nodes, is_default
 
 #: the packed weight's name: the dequantized weight's name and this suffix
 PACKED_SUFFIX = ".nbits"
@@ -78,7 +78,7 @@ class MatMulNBitsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         # the model's graph and its bodies, not functions: the packed weights are initializers
-        for matmul in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        for matmul in list(graph_nodes(model)):
             graph = matmul.graph
             if matmul.op_type != "MatMul" or not is_default(matmul) or not isinstance(graph, ir.Graph):
                 continue
