@@ -131,6 +131,28 @@ def taken_names(model: ir.Model) -> set[str]:
     return taken
 
 
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit values, two per byte, the first in the low nibble (ONNX's int4 layout and MatMulNBits'
+    blobs alike), flat; an odd count is padded with a zero nibble."""
+    flat = values.reshape(-1).astype(np.uint8) & 0x0F
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def register_constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType | None = None) -> ir.Value:
+    """A new initializer of ``graph`` holding ``array`` (as ``dtype`` when given)."""
+    tensor: ir.TensorProtocol
+    if dtype == ir.DataType.INT4:
+        # Packed now: held one value per byte until saving, an LLM's weights would cost twice.
+        tensor = ir.PackedTensor(pack_nibbles(array), dtype, shape=ir.Shape(array.shape), name=name)
+    else:
+        tensor = ir.tensor(array, dtype=dtype, name=name)
+    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
 def drop_unread_constants(values) -> None:
     """Remove those of ``values`` that are constants nothing reads any more, and nothing else."""
     for value in {id(v): v for v in values}.values():

@@ -29,6 +29,7 @@ import torch
 
 from .._checks import release_freed_memory
 from .._core.axes import describe, second_size
+from .._core.ir import register_constant
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
 from ..rounding import cosine
 
@@ -281,24 +282,6 @@ def _unparametrize(module: torch.nn.Module) -> None:
     module.__class__ = module.__class__.__bases__[0]
 
 
-def _pack_int4(values: np.ndarray) -> np.ndarray:
-    """Two int4 values per byte, the first in the low nibble (ONNX's layout)."""
-    flat = values.reshape(-1).astype(np.uint8) & 0x0F
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-    return flat[0::2] | (flat[1::2] << 4)
-
-
-def _constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType | None = None) -> ir.Value:
-    tensor: ir.TensorProtocol
-    if dtype == ir.DataType.INT4:
-        # Packed now: held one value per byte until saving, an LLM's weights would cost twice.
-        tensor = ir.PackedTensor(_pack_int4(array), dtype, shape=ir.Shape(array.shape), name=name)
-    else:
-        tensor = ir.tensor(array, dtype=dtype, name=name)
-    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
-    graph.register_initializer(value)
-    return value
 
 
 #: onnxscript's optimizer records on a constant it folds the values it was folded from
@@ -337,11 +320,11 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
             )
         q, scale, zp, attrs = w.onnx_layout()
         inputs = [
-            _constant(graph, f"{w.module}.qweight", q, _ONNX_TYPES[w.bits]),
-            _constant(graph, f"{w.module}.scale", scale),
+            register_constant(graph, f"{w.module}.qweight", q, _ONNX_TYPES[w.bits]),
+            register_constant(graph, f"{w.module}.scale", scale),
         ]
         if zp is not None:
-            inputs.append(_constant(graph, f"{w.module}.zero_point", zp, _ONNX_TYPES[w.bits]))
+            inputs.append(register_constant(graph, f"{w.module}.zero_point", zp, _ONNX_TYPES[w.bits]))
         node = ir.node("DequantizeLinear", inputs, attrs, name=f"{w.module}.dequantize")
         output = node.outputs[0]
         output.name, output.type, output.shape = f"{w.module}.weight", ir.TensorType(ir.DataType.FLOAT), ir.Shape(q.shape)

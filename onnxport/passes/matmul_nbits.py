@@ -16,17 +16,19 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from .._core.ir import CONTRIB_DOMAIN, const_array, drop_unread_constants, graph_nodes, is_default
+from .._core.ir import (
+    CONTRIB_DOMAIN,
+    const_array,
+    drop_unread_constants,
+    graph_nodes,
+    is_default,
+    pack_nibbles,
+    register_constant,
+)
 
 #: the packed weight's name: the dequantized weight's name and this suffix
 PACKED_SUFFIX = ".nbits"
 _INT4 = (ir.DataType.INT4, ir.DataType.UINT4)
-
-
-def _pack(values: np.ndarray) -> np.ndarray:
-    """Unsigned 4-bit values along the last axis (even length), two to a byte, low nibble first."""
-    values = values.astype(np.uint8)
-    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
 def _unpack(packed: np.ndarray, count: int) -> np.ndarray:
@@ -94,11 +96,12 @@ class MatMulNBitsPass(ir.passes.InPlacePass):
             blocks = k // block
             name = weight.name or f"{matmul.name}.weight"
             inputs = [matmul.inputs[0],
-                      _initializer(graph, name + PACKED_SUFFIX, _pack(q.T.reshape(n, blocks, block))),
-                      _initializer(graph, name + PACKED_SUFFIX + "_scales", np.ascontiguousarray(scale.T).reshape(-1))]
+                      # each column's blocks together, each block's values two to a byte
+                      register_constant(graph, name + PACKED_SUFFIX, pack_nibbles(q.T).reshape(n, blocks, block // 2)),
+                      register_constant(graph, name + PACKED_SUFFIX + "_scales", np.ascontiguousarray(scale.T).reshape(-1))]
             if zp is not None:
                 padded = np.pad(zp.T, ((0, 0), (0, blocks % 2)), constant_values=8)
-                inputs.append(_initializer(graph, name + PACKED_SUFFIX + "_zero_points", _pack(padded).reshape(-1)))
+                inputs.append(register_constant(graph, name + PACKED_SUFFIX + "_zero_points", pack_nibbles(padded)))
             fused = ir.node("MatMulNBits", inputs, {"K": k, "N": n, "bits": 4, "block_size": block,
                                                     "accuracy_level": self.accuracy_level},
                             domain=CONTRIB_DOMAIN, name=matmul.name or None)
@@ -110,13 +113,6 @@ class MatMulNBitsPass(ir.passes.InPlacePass):
         if modified and CONTRIB_DOMAIN not in model.opset_imports:
             model.opset_imports[CONTRIB_DOMAIN] = 1
         return ir.passes.PassResult(model, modified)
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
 
 
 def unpacked(node: Any, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> dict[str, Any]:
