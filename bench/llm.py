@@ -2,7 +2,8 @@
 ``'ort-cpu'``, and fp16) against onnxruntime-genai's model builder from the same
 ``save_pretrained`` folder, and PyTorch eager.
 
-Llama-shaped models with random weights at three sizes (up to TinyLlama's 1.1B), a 128-token
+Llama-shaped models with random weights at three sizes (up to TinyLlama's 1.1B), and, when
+``--sizes`` names it, a Mixtral-shaped mixture of experts (8 experts, 2 a token); a 128-token
 prompt, 64 new tokens, batch 1, greedy. Every file is timed in a fresh process of its own; the
 processes take turns, round by round, in a rotating order, and each figure is the median over
 rounds. Per file: prefill latency, decode tokens/s, the process's peak memory, and decode
@@ -44,7 +45,13 @@ SIZES = {
                    "num_key_value_heads": 4},
     "llama 1.1B (TinyLlama shape)": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
                                      "num_attention_heads": 32, "num_key_value_heads": 4},
+    # a mixture of experts (Mixtral's layout: 8 experts, 2 a token): not run unless named
+    "mixtral 8x29M": {"family": "mixtral", "hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 8,
+                      "num_attention_heads": 12, "num_key_value_heads": 4, "num_local_experts": 8,
+                      "num_experts_per_tok": 2},
 }
+#: the sizes a run takes unless --sizes names others
+DEFAULT_SIZES = tuple(name for name, config in SIZES.items() if "family" not in config)
 VOCAB = 32000
 #: our files, ``precision[:flavour]`` (the flavour 'portable' unless named)
 OURS = ("fp32", "int4", "fp32:ort-cpu", "int4:ort-cpu", "fp16")
@@ -62,7 +69,8 @@ class Config:
         genai_python: a Python with onnxruntime-genai, for its builder's files (None: skipped).
     """
 
-    sizes: tuple[str, ...] = option(tuple(SIZES), "Llama shapes, comma-separated", choices=tuple(SIZES))
+    sizes: tuple[str, ...] = option(DEFAULT_SIZES, "model shapes, comma-separated (the mixture of experts only when named)",
+                                    choices=tuple(SIZES))
     ours: tuple[str, ...] = option(OURS, "our files, precision[:flavour], comma-separated", choices=_CHOICES)
     rounds: int = option(ROUNDS, "rotating rounds (each figure is the median over them)")
     genai_python: str | None = option(None, "a Python with onnxruntime-genai (its builder's columns; default: skipped)")
@@ -186,12 +194,18 @@ def _build(config: dict, folder: Path) -> int:
     import transformers
 
     torch.manual_seed(0)
-    llama = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-                                     **config)
-    model = transformers.LlamaForCausalLM(llama).eval()
+    config = dict(config)
+    family = {"llama": transformers.LlamaConfig, "mixtral": transformers.MixtralConfig}[config.pop("family", "llama")]
+    model = transformers.AutoModelForCausalLM.from_config(family(
+        vocab_size=VOCAB, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, **config)).eval()
     model.save_pretrained(folder)
     _tokenizer(folder)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def float_bytes_per(label: str) -> float:
+    """A file's bytes per float32 weight byte (int4: an eighth, before its scales)."""
+    return 0.125 if "int4" in label else 0.25 if "int8" in label else 0.5 if "fp16" in label else 1.0
 
 
 def _copy_bandwidth() -> float:
@@ -261,9 +275,15 @@ def _one(name: str, config: dict, scratch: Path, chosen: Config, bandwidth: floa
             continue
         runner, path, prefix = files[label]
         folder = path.parent if path.is_file() else path
-        # a token reads every weight once, except the embedding table: one row of it
-        embedding = VOCAB * SIZES[name]["hidden_size"] * 4
-        weight_bytes = _weights(folder, prefix) - embedding + embedding // VOCAB
+        # a token reads every weight once, except the embedding table (one row of it) and, in a
+        # mixture, the experts it was not routed to
+        shape = SIZES[name]
+        embedding = VOCAB * shape["hidden_size"] * 4
+        unread = embedding - embedding // VOCAB
+        if "num_local_experts" in shape:
+            experts = shape["num_hidden_layers"] * shape["num_local_experts"] * 3 * shape["hidden_size"] * shape["intermediate_size"]
+            unread += experts * 4 * (1 - shape["num_experts_per_tok"] / shape["num_local_experts"]) * float_bytes_per(label)
+        weight_bytes = int(_weights(folder, prefix) - unread)
         tok_s = statistics.median(f["decode_tok_s"] for f in good)
         result["runs"][label] = {
             "prefill_ms": statistics.median(f["prefill_ms"] for f in good),
@@ -310,6 +330,7 @@ def report(results: dict) -> str:
         for ours, theirs in (("ours int4", "genai builder int4"), ("ours int4 ort-cpu", "genai builder int4"),
                              ("ours fp32", "genai builder fp32"), ("ours fp32 ort-cpu", "genai builder fp32"),
                              ("ours int4", "pytorch eager fp32"), ("ours fp32", "pytorch eager fp32"),
+                             ("ours fp32 ort-cpu", "ours fp32"), ("ours fp32 ort-cpu", "pytorch eager fp32"),
                              ("ours fp16", "ours fp32")):
             a, b = runs.get(ours, {}), runs.get(theirs, {})
             if "decode_tok_s" in a and "decode_tok_s" in b:

@@ -44,6 +44,31 @@ def _providers_for(device: str) -> tuple[list[str], dict | None, int | None]:
     raise InvalidArgumentError(f"device must be 'cpu', 'cuda' or 'cuda:N', not '{device}'.")
 
 
+def contrib_schema(name: str, domain: str = "com.microsoft") -> Any:
+    """ONNX Runtime's schema of a contrib operator as an ``onnx.defs.OpSchema`` (onnx's registry
+    lacks them), for builders that need one to emit the node, such as onnxscript's ``Op``.
+    Attributes are all optional here: ONNX Runtime checks them when it loads the node."""
+    from onnx import defs
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    found = [s for s in state.get_all_operator_schema() if s.name == name and s.domain == domain]
+    if not found:
+        raise InvalidArgumentError(f"This ONNX Runtime ({ort.__version__}) has no operator {domain}.{name}.")
+    schema = max(found, key=lambda s: s.since_version)
+    option = {str(o): getattr(defs.OpSchema.FormalParameterOption, str(o).rsplit(".", 1)[-1])
+              for o in {p.option for p in (*schema.inputs, *schema.outputs)}}
+
+    def parameters(formal: Any) -> list[Any]:
+        return [defs.OpSchema.FormalParameter(p.name, p.typeStr, param_option=option[str(p.option)]) for p in formal]
+
+    return defs.OpSchema(
+        name, domain, schema.since_version, inputs=parameters(schema.inputs), outputs=parameters(schema.outputs),
+        type_constraints=[(t.type_param_str, list(t.allowed_type_strs), "") for t in schema.type_constraints],
+        attributes=[defs.OpSchema.Attribute(a.name, getattr(defs.OpSchema.AttrType, str(a.type).rsplit(".", 1)[-1]),
+                                            required=False) for a in schema.attributes.values()],
+    )
+
+
 def make_session(
     model: str | os.PathLike | bytes,
     *,

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -440,9 +441,76 @@ def test_mixture_of_experts_decoders_generate_what_transformers_generates(family
         warnings.simplefilter("error", WeakerCheckWarning)  # proven on the float floor, in float64 too
         result = export_decoder(model, tmp_path / "moe.onnx", flavour=flavour)
     assert model.config._experts_implementation == default  # the model is given back as it was
-    ops = {(n.domain, n.op_type) for n in onnx.load_model(str(result), load_external_data=False).graph.node}
+    graph = onnx.load_model(str(result), load_external_data=False).graph
+    ops = Counter((n.domain, n.op_type) for n in graph.node)
     if flavour == "portable":
         assert {domain for domain, _ in ops} <= {"", "ai.onnx"}
+    else:  # every layer's experts in ONNX Runtime's kernel (Qwen3-MoE's router does not renormalise: Mixtral's does)
+        assert ops[("com.microsoft", "MoE")] == model.config.num_hidden_layers == result.fusions["MoE"]
+        assert {n.op_type for n in graph.node if any(".experts." in i for i in n.input)} == {"MoE"}
     ids, mask = _prompts(seed=5)
     np.testing.assert_array_equal(generate(result, ids, mask, 32, eos_token_id=None),
                                   _transformers_greedy(model, ids, mask, new=32))
+
+
+def _experts_module(bias: bool, act: str = "silu") -> torch.nn.Module:
+    """Mixtral's experts, given a bias on both products when ``bias`` (transformers' experts
+    interface takes one; no family of this size has it and a plain gated SiLU)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    torch.manual_seed(3)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4, hidden_act=act)
+    experts = MixtralExperts(config).eval()
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(weight, std=0.2)
+    if bias:
+        experts.has_bias = True
+        experts.gate_up_proj_bias = torch.nn.Parameter(torch.randn(4, 96) * 0.1)
+        experts.down_proj_bias = torch.nn.Parameter(torch.randn(4, 32) * 0.1)
+    return experts
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, hidden, index, weights):
+        return self.experts(hidden, index, weights)
+
+
+@pytest.mark.parametrize(("bias", "act", "kernel"), [(False, "silu", True), (True, "silu", True), (False, "gelu", False)])
+def test_experts_in_onnx_runtimes_moe_kernel_compute_what_batched_experts_compute(bias, act, kernel):
+    # the kernel takes router logits: the file feeds it the router's own weights (here not summing
+    # to one, as OLMoE's and Qwen3-MoE's) and must give back exactly their weighted sum
+    from onnxport._core.capture import torch_program
+    from onnxport.llm.experts import exportable_experts, translation_table
+    from onnxport.runtime import make_session
+
+    experts = _experts_module(bias, act)
+    before = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(6, 32, generator=generator)
+    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=generator)
+    experts.config._experts_implementation_internal = "batched_mm"
+    with torch.no_grad():
+        expected = experts(hidden, index, weights).numpy()
+    with exportable_experts(_Routed(experts), kernel=True) as taken:
+        assert (taken == [experts]) is kernel
+        with torch.no_grad():  # the kernel's own eager arithmetic on the interleaved layout
+            np.testing.assert_allclose(experts(hidden, index, weights).numpy(), expected, rtol=1e-5, atol=1e-6)
+        program = torch_program(_Routed(experts), (hidden, index, weights), opset_version=18,
+                                input_names=["hidden", "index", "weights"], output_names=["out"],
+                                axes={"hidden": {0: "tokens"}, "index": {0: "tokens"}, "weights": {0: "tokens"}},
+                                custom_translation_table=translation_table() if taken else None)
+    # the module is given back as it was: its own weights, its own implementation
+    assert all(torch.equal(p, before[n]) for n, p in experts.named_parameters())
+    assert not hasattr(experts, "_onnxport_interleaved") and experts.config._experts_implementation_internal == "batched_mm"
+    proto = program.model_proto
+    assert sum(n.op_type == "MoE" and n.domain == "com.microsoft" for n in proto.graph.node) == int(kernel)
+    session = make_session(proto.SerializeToString())
+    for rows in (6, 1):
+        got = session.run(None, {"hidden": hidden[:rows].numpy(), "index": index[:rows].numpy(),
+                                 "weights": weights[:rows].numpy()})[0]
+        np.testing.assert_allclose(got, expected[:rows], rtol=1e-5, atol=1e-6)

@@ -46,6 +46,8 @@ from ..errors import (
     WeakerCheckWarning,
     check_choice,
 )
+from .experts import exportable_experts
+from .experts import translation_table as experts_translation
 from .generate import METADATA_KEY, decode, ort_step
 from .model import DecoderShape, cached_call, cached_forward, check_cache, decoder_shape, load_causal_lm
 from .names import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, position_ids_for
@@ -463,30 +465,6 @@ def _grouped_sdpa(enabled: bool):
         sdpa_attention.use_gqa_in_sdpa = original
 
 
-#: The experts implementation transformers offers that torch.export can capture in standard
-#: operators: every expert's product for every token in one batched matmul, weighted by the
-#: router (zero where an expert was not chosen). Its default, a grouped matmul, reaches torch.onnx
-#: as a custom operator (``transformers::grouped_mm_fallback``) that it cannot translate.
-EXPORTABLE_EXPERTS = "batched_mm"
-
-
-@contextlib.contextmanager
-def exportable_experts(model: torch.nn.Module):
-    """Capture a mixture-of-experts model with :data:`EXPORTABLE_EXPERTS` (the same sums, in
-    another order; the file is proven token for token against the model as it was), then give it
-    back its own implementation. Models without experts are left alone."""
-    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
-    configs = list({id(c): c for c in configs}.values())
-    saved = [c._experts_implementation_internal for c in configs]
-    try:
-        for config in configs:
-            config._experts_implementation_internal = EXPORTABLE_EXPERTS
-        yield
-    finally:
-        for config, value in zip(configs, saved):
-            config._experts_implementation_internal = value
-
-
 def _half_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` in float16, without a float32 copy on the way (each tensor is halved
     straight into the copy; tied weights stay tied)."""
@@ -596,13 +574,16 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     result = DecoderFile(file, job.precision, job.flavour, shape)
 
     def capture() -> Any:
+        kernel = job.flavour == "ort-cpu" and job.precision == "fp32"
         with eval_mode(job.export_model), cached_forward(job.export_model, shape), \
-                _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET), exportable_experts(job.export_model):
+                _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET), \
+                exportable_experts(job.export_model, kernel=kernel) as taken:
             # torch.export takes every traced size to be at least 2, so the mask (past and new
             # tokens together) at least 4; saying so up front saves a refused capture
             return torch_program(job.export_model, job.sample, opset_version=job.opset_version,
                                  input_names=shape.input_names, output_names=shape.output_names, axes=axes,
-                                 ranges={"total_sequence": (4, None)}).model
+                                 ranges={"total_sequence": (4, None)},
+                                 custom_translation_table=experts_translation() if taken else None).model
 
     steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None,
                           contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET,

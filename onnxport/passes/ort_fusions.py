@@ -23,7 +23,7 @@ import onnx_ir as ir
 FUSED_OPS = frozenset({
     "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "SkipLayerNormalization",
     "RotaryEmbedding", "MultiHeadAttention", "GroupQueryAttention", "Attention", "Gelu", "FastGelu", "BiasGelu",
-    "RMSNormalization",
+    "RMSNormalization", "MoE",
 })
 
 

@@ -1,0 +1,161 @@
+"""Mixture-of-experts layers in a decoder file.
+
+transformers 5 runs a mixture's experts through its experts interface
+(``config._experts_implementation``). Its default, a grouped matmul, reaches torch.onnx as a custom
+operator (``transformers::grouped_mm_fallback``) that it cannot translate, so a capture picks one
+of two implementations instead:
+
+- :data:`EXPORTABLE_EXPERTS`, transformers' own ``batched_mm``: standard operators (each token's
+  chosen experts' weights gathered per token and expert, then batched products) — the portable
+  form, and every file's form for experts the kernel cannot take;
+- :data:`KERNEL_EXPERTS` (``'ort-cpu'`` fp32): ONNX Runtime's ``com.microsoft.MoE``, which groups
+  the tokens by expert and reads each expert's weights in place.
+
+Either way the router is the model's own, in standard operators: the experts receive its chosen
+experts and weights. ``MoE`` takes router logits instead (softmax, top-k, optionally renormalised),
+so the file hands it the logarithms of the router's weights at the chosen experts and ``-inf``
+elsewhere, asks it to renormalise (the chosen weights divided by their sum), and multiplies its
+output by that sum: the router's weights, whatever its rule (renormalised or not, softmax or
+sigmoid), up to a rounding or two. ONNX Runtime's CPU kernel takes a gated SiLU expert with its
+gate and up rows interleaved; the capture hands it the model's weights in that layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+EXPORTABLE_EXPERTS = "batched_mm"
+KERNEL_EXPERTS = "onnxport_moe"
+
+
+@torch.library.custom_op("onnxport::moe", mutates_args=())
+def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, fc1: torch.Tensor,
+        fc2: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_bias: torch.Tensor | None, k: int) -> torch.Tensor:
+    """ONNX Runtime's ``MoE`` with a gated SiLU (``swiglu``, gate and up rows interleaved in
+    ``fc1``: [experts, 2 * inner, hidden]; ``fc2``: [experts, hidden, inner]), given the router's
+    choice: ``hidden`` [tokens, hidden], ``top_k_index`` and ``top_k_weights`` [tokens, k]."""
+    expert = top_k_index.reshape(-1)
+    rows = hidden.repeat_interleave(k, dim=0)
+    both = torch.bmm(fc1[expert], rows.unsqueeze(-1)).squeeze(-1)
+    if fc1_bias is not None:
+        both = both + fc1_bias[expert]
+    inner = torch.nn.functional.silu(both[:, 0::2]) * both[:, 1::2]
+    out = torch.bmm(fc2[expert], inner.unsqueeze(-1)).squeeze(-1)
+    if fc2_bias is not None:
+        out = out + fc2_bias[expert]
+    weighted = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return weighted.view(hidden.shape[0], k, hidden.shape[1]).sum(dim=1).to(hidden.dtype)
+
+
+@moe.register_fake
+def _moe_fake(hidden, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, k):
+    return torch.empty_like(hidden)
+
+
+def translation_table() -> dict[Any, Any]:
+    """torch.onnx's translation of :func:`moe`: ONNX Runtime's ``MoE`` fed the router's choice as
+    logits (see the module's docstring)."""
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+    from onnxscript import values
+
+    from ..runtime import contrib_schema
+
+    schema = contrib_schema("MoE")
+    mixture = values.Op(values.Opset(schema.domain, schema.since_version), "MoE", schema)
+    never = onnx.numpy_helper.from_array(np.array([-np.inf], np.float32))
+
+    def moe_onnx(hidden, top_k_index, top_k_weights, fc1, fc2, fc1_bias=None, fc2_bias=None, k: int = 1):
+        shape = op.Concat(op.Shape(hidden, end=1), op.Shape(fc1, end=1), axis=0)
+        logits = op.ScatterElements(op.ConstantOfShape(shape, value=never), top_k_index, op.Log(top_k_weights), axis=1)
+        mixed = mixture(hidden, logits, fc1, fc1_bias, fc2, fc2_bias, k=k, activation_type="swiglu",
+                            swiglu_fusion=1, normalize_routing_weights=1)
+        return op.Mul(mixed, op.ReduceSum(top_k_weights, op.Constant(value_ints=[1]), keepdims=1))
+
+    return {torch.ops.onnxport.moe.default: moe_onnx}
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules transformers' experts interface runs (they carry its layout flags)."""
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+
+
+def kernel_takes(module: torch.nn.Module) -> bool:
+    """Whether ONNX Runtime's CPU ``MoE`` computes what ``module`` computes: gated SiLU experts
+    (transformers' default gate), gate and up concatenated, weights [experts, out, in] in
+    float32, no norm after the experts."""
+    from transformers.integrations import moe as hf_moe
+
+    act = getattr(module, "act_fn", None)
+    weights = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
+    return (bool(getattr(module, "has_gate", False)) and bool(getattr(module, "is_concatenated", False))
+            and not getattr(module, "is_transposed", True) and not getattr(module, "has_post_expert_norm", True)
+            and not getattr(module, "_is_expert_parallel", False)
+            and getattr(type(module), "_apply_gate", None) is hf_moe._default_apply_gate
+            and type(act).__name__ in ("SiLU", "SiLUActivation")
+            and all(type(w) is torch.nn.Parameter and type(w.data) is torch.Tensor and w.dtype == torch.float32
+                    and w.dim() == 3 for w in weights))
+
+
+def _interleaved(gate_up: torch.Tensor) -> torch.Tensor:
+    """[experts, gate rows | up rows, …] → [experts, gate 0, up 0, gate 1, up 1, …, …]."""
+    experts, rows = gate_up.shape[:2]
+    return gate_up.detach().reshape(experts, 2, rows // 2, *gate_up.shape[2:]).transpose(1, 2).reshape(gate_up.shape).contiguous()
+
+
+def _kernel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    if not getattr(self, "_onnxport_interleaved", False):
+        from transformers.integrations import moe as hf_moe
+
+        return hf_moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return torch.ops.onnxport.moe(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
+                                  self.down_proj, getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
+                                  getattr(self, "down_proj_bias", None) if self.has_bias else None, top_k_index.shape[-1])
+
+
+@contextlib.contextmanager
+def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Iterator[list[torch.nn.Module]]:
+    """Capture ``model``'s experts with :data:`EXPORTABLE_EXPERTS`, or with ONNX Runtime's kernel
+    where ``kernel`` and :func:`kernel_takes` (then ``torch_program`` needs
+    :func:`translation_table`); give the model back as it was afterwards. Yields the modules the
+    kernel takes. Models without experts are left alone.
+
+    The kernel's layout is a copy of each gate/up weight (interleaved), held while the block runs.
+    """
+    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
+    configs = list({id(c): c for c in configs}.values())
+    saved = [c._experts_implementation_internal for c in configs]
+    taken = [m for m in experts_modules(model) if kernel and kernel_takes(m)]
+    originals = []
+    interface: Any = None
+    try:
+        if taken:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            interface = ALL_EXPERTS_FUNCTIONS
+            interface[KERNEL_EXPERTS] = _kernel_forward
+        for module in taken:
+            originals.append((module, module.gate_up_proj, module.gate_up_proj_bias if module.has_bias else None))
+            module.gate_up_proj = torch.nn.Parameter(_interleaved(module.gate_up_proj), requires_grad=False)
+            if module.has_bias:
+                module.gate_up_proj_bias = torch.nn.Parameter(_interleaved(module.gate_up_proj_bias), requires_grad=False)
+            setattr(module, "_onnxport_interleaved", True)  # noqa: B010 - read by _kernel_forward
+        for config in configs:
+            config._experts_implementation_internal = KERNEL_EXPERTS if taken else EXPORTABLE_EXPERTS
+        yield taken
+    finally:
+        for config, value in zip(configs, saved):
+            config._experts_implementation_internal = value
+        for module, weight, bias in originals:
+            module.gate_up_proj = weight
+            if bias is not None:
+                module.gate_up_proj_bias = bias
+            del module._onnxport_interleaved
+        if interface is not None and KERNEL_EXPERTS in interface:
+            del interface[KERNEL_EXPERTS]
