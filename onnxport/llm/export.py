@@ -345,8 +345,9 @@ def export_decoder(
             ``GroupQueryAttention`` over the cache, ``SkipSimplifiedLayerNormalization`` for
             each residual add and its RMS norm, with ONNX's own ``RotaryEmbedding``; below 23,
             onnxscript's com.microsoft fusions —
-            SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MultiHeadAttention —
-            all counted in the result's ``fusions``).
+            SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, MultiHeadAttention;
+            in fp32, a mixture's experts as com.microsoft ``MoE`` where its CPU kernel computes
+            them — all counted in the result's ``fusions``).
         group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
         opset_version: the default-domain opset: 18 or later for fp32/fp16 (default 18), 21 or
             later for int4/int8 (default 21: int4 and blocked scales are new there); the
