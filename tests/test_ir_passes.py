@@ -1032,3 +1032,62 @@ def test_passes_that_add_initializers_walk_the_graph_and_its_bodies_not_function
         helper.make_opsetid("", 21), helper.make_opsetid("local", 1)]))
     assert {n.name for n in nodes(model)} == {"branch", "call", "in_body", "in_function"}
     assert {n.name for n in graph_nodes(model)} == {"branch", "call", "in_body"}
+
+
+def _moe_reference(x, fc1, fc2, index, weights):
+    """A gated SiLU mixture (fc1's gate rows, then its up rows) of the chosen experts."""
+    out = np.zeros_like(x)
+    inner = fc1.shape[1] // 2
+    for t in range(x.shape[0]):
+        for e, w in zip(index[t], weights[t]):
+            both = fc1[e] @ x[t]
+            gate, up = both[:inner], both[inner:]
+            out[t] += w * (fc2[e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_mixture_of_experts_becomes_what_onnx_runtimes_cpu_kernels_take(quantized):
+    # the exporter states the model's layout (swiglu_fusion=2), which ONNX Runtime's CPU kernels refuse
+    from onnxport.passes.moe_kernel import PACKED_SUFFIX, MoEInterleavePass, QMoEPass, unpacked_experts
+
+    experts, hidden, inner, block = 3, 32, 16, 16
+    q1, q2 = RNG.integers(-8, 8, (experts, 2 * inner, hidden)), RNG.integers(-8, 8, (experts, hidden, inner))
+    s1 = (RNG.random((experts, 2 * inner, hidden // block)) * 0.02 + 0.01).astype(np.float32)
+    s2 = (RNG.random((experts, hidden, inner // block)) * 0.02 + 0.01).astype(np.float32)
+    fc1 = (q1.reshape(*s1.shape, block) * s1[..., None]).reshape(q1.shape).astype(np.float32)
+    fc2 = (q2.reshape(*s2.shape, block) * s2[..., None]).reshape(q2.shape).astype(np.float32)
+    if quantized:
+        inits = [helper.make_tensor("q1", TensorProto.INT4, q1.shape, q1.flatten().tolist()), _c("s1", s1),
+                 helper.make_tensor("q2", TensorProto.INT4, q2.shape, q2.flatten().tolist()), _c("s2", s2)]
+        nodes = [helper.make_node("DequantizeLinear", ["q1", "s1"], ["fc1"], axis=2, block_size=block),
+                 helper.make_node("DequantizeLinear", ["q2", "s2"], ["fc2"], axis=2, block_size=block)]
+    else:
+        inits, nodes = [_c("fc1", fc1), _c("fc2", fc2)], []
+    # the router's choice as the exporter hands it over: its log-weights at the chosen experts
+    nodes.append(helper.make_node("MoE", ["x", "logits", "fc1", "", "fc2"], ["y"], domain="com.microsoft", k=2,
+                                  activation_type="swiglu", swiglu_fusion=2, normalize_routing_weights=1))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", FLOAT, ["tokens", hidden]),
+                                           helper.make_tensor_value_info("logits", FLOAT, ["tokens", experts])],
+                              [helper.make_tensor_value_info("y", FLOAT, ["tokens", hidden])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    rewritten, first, second = _apply(QMoEPass(accuracy_level=0) if quantized else MoEInterleavePass(), model)
+    assert (first, second) == (True, False)
+    (node,) = rewritten.graph.node
+    assert (node.op_type, {a.name: a.i for a in node.attribute}["swiglu_fusion"]) == ("QMoE" if quantized else "MoE", 1)
+    if quantized:  # the int4 tensors are gone; read back, the very integers and scales
+        ir_model = ir.from_proto(rewritten)
+        packed = {v.name: v.const_value.numpy() for v in ir_model.graph.initializers.values()}
+        assert set(packed) == {f"fc{i}{PACKED_SUFFIX}{part}" for i in (1, 2) for part in ("", "_scales")}
+        qnode = next(iter(ir_model.graph))
+        for name, q, s in (("fc1", q1, s1), ("fc2", q2, s2)):
+            got = unpacked_experts(qnode, packed[f"{name}{PACKED_SUFFIX}"], packed[f"{name}{PACKED_SUFFIX}_scales"], name == "fc1")
+            assert np.array_equal(got["q"], q) and np.array_equal(got["scale"], s) and (got["axis"], got["block_size"]) == (2, block)
+    x = RNG.standard_normal((5, hidden)).astype(np.float32)
+    index = np.stack([RNG.permutation(experts)[:2] for _ in range(5)])
+    weights = np.full((5, 2), 0.5, np.float32) + RNG.random((5, 2)).astype(np.float32) * 0.1
+    weights /= weights.sum(1, keepdims=True)
+    logits = np.full((5, experts), -np.inf, np.float32)
+    np.put_along_axis(logits, index, np.log(weights), 1)
+    np.testing.assert_allclose(run(rewritten, {"x": x, "logits": logits}, optimized=False)[0],
+                               _moe_reference(x, fc1, fc2, index, weights), rtol=1e-4, atol=1e-5)

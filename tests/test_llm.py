@@ -406,14 +406,17 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
     result = export_decoder(model, tmp_path / "moe.onnx", precision="int4", group_size=16, flavour=flavour)
     assert result.agreement
     # every expert's 3-D weight is int4 in blocks of 16 input features, read by the Gather that
-    # picks each token's experts; the proof already held the integers equal to torchao's
+    # picks each token's experts (portable) or ONNX Runtime's QMoE kernel ('ort-cpu'); the proof
+    # already held the integers equal to torchao's
     experts = {k: v for k, v in file_weights(result.path).items() if ".experts." in k}
     torchao_model = quantize_weight_only(model, "int4_weight_only", group_size=16, symmetric=True, embeddings=False)
     expected = {f"{w.module}.weight": w for w in quantized_weights(torchao_model) if w.kind == "experts"}
     assert set(experts) == set(expected) and len(experts) == 2 * model.config.num_hidden_layers
     for name, entry in experts.items():
         assert entry["dtype"] == ir.DataType.INT4 and entry["axis"] == 2 and entry["block_size"] == 16
-        assert np.array_equal(entry["q"], expected[name].qdata) and entry["readers"] == ["GatherND"]
+        # 'ort-cpu': held by ONNX Runtime's QMoE (packed, gate and up rows interleaved), read back as torchao's
+        assert np.array_equal(entry["q"], expected[name].qdata)
+        assert entry["readers"] == (["QMoE"] if flavour == "ort-cpu" else ["GatherND"])
     assert next(model.parameters()).dtype == torch.float32 and not hasattr(model.model.layers[0].mlp.experts,
                                                                            "parametrizations")
     # at ONNX Runtime's unoptimised level the file computes by its ONNX semantics (dequantize, then a
@@ -485,6 +488,7 @@ def test_experts_in_onnx_runtimes_moe_kernel_compute_what_batched_experts_comput
     # to one, as OLMoE's and Qwen3-MoE's) and must give back exactly their weighted sum
     from onnxport._core.capture import torch_program
     from onnxport.llm.experts import exportable_experts, translation_table
+    from onnxport.passes.moe_kernel import MoEInterleavePass
     from onnxport.runtime import make_session
 
     experts = _experts_module(bias, act)
@@ -506,8 +510,10 @@ def test_experts_in_onnx_runtimes_moe_kernel_compute_what_batched_experts_comput
                                 custom_translation_table=translation_table() if taken else None)
     # the module is given back as it was: its own weights, its own implementation
     assert all(torch.equal(p, before[n]) for n, p in experts.named_parameters())
-    assert not hasattr(experts, "_onnxport_interleaved") and experts.config._experts_implementation_internal == "batched_mm"
-    proto = program.model_proto
+    assert experts.config._experts_implementation_internal == "batched_mm"
+    # the node states the model's layout; the CPU kernel takes gate and up rows interleaved
+    assert MoEInterleavePass()(program.model).modified is kernel
+    proto = ir.serde.serialize_model(program.model)
     assert sum(n.op_type == "MoE" and n.domain == "com.microsoft" for n in proto.graph.node) == int(kernel)
     session = make_session(proto.SerializeToString())
     for rows in (6, 1):

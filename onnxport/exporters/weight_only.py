@@ -309,7 +309,8 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
     first = next(iter(graph), None)
     for w in weights:
         stand_in = stand_in_value(graph, w)
-        readers = {("MatMul", 1)} if w.kind == "linear" else {("Gather", 0), ("GatherND", 0)}
+        # experts: gathered per token (portable), or read whole by ONNX Runtime's MoE ('ort-cpu')
+        readers = {("MatMul", 1)} if w.kind == "linear" else {("Gather", 0), ("GatherND", 0), ("MoE", 2), ("MoE", 4)}
         uses = list(stand_in.uses()) if stand_in is not None else []
         if not uses or any((use.node.op_type, use.idx) not in readers for use in uses):
             found = ", ".join(sorted({f"{u.node.op_type} input {u.idx}" for u in uses})) or "nothing"
@@ -345,14 +346,25 @@ def iter_file_weights(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
     Yields ``(output name, entry)``; the entry holds ``q`` (int8 values), ``scale``, ``zp``
     (``None`` when absent), ``axis``, ``block_size``, ``dtype`` and the ``readers``' op types. A
     4-bit ``MatMulNBits`` weight comes as the DequantizeLinear it stands for, named as that one's
-    output, its reader ``MatMulNBits``.
+    output, its reader ``MatMulNBits``; a 4-bit ``QMoE``'s two weights likewise.
     One weight is unpacked at a time, so an LLM-sized file is checked in bounded memory.
     """
     from .._core.ir import read_model
     from ..inspection.view import qdq_nodes
     from ..passes.matmul_nbits import PACKED_SUFFIX, unpacked
+    from ..passes.moe_kernel import PACKED_SUFFIX as EXPERTS_SUFFIX
+    from ..passes.moe_kernel import QMOE_WEIGHTS, unpacked_experts
 
     model, _ = read_model(path)
+    for node in model.graph.all_nodes():  # int4 experts the file holds as QMoE ('ort-cpu' decoders)
+        if node.op_type != "QMoE" or node.attributes.get_int("expert_weight_bits", 4) != 4:
+            continue
+        for which, (weight, scales) in QMOE_WEIGHTS.items():
+            packed, scale = (node.inputs[i] for i in (weight, scales))
+            if packed is None or scale is None or packed.const_value is None or scale.const_value is None:
+                continue
+            entry = unpacked_experts(node, packed.const_value.numpy(), scale.const_value.numpy(), which == "fc1")
+            yield packed.name.removesuffix(EXPERTS_SUFFIX), {**entry, "dtype": ir.DataType.INT4, "readers": ["QMoE"]}
     for node in model.graph.all_nodes():  # int4 weights the file holds as MatMulNBits ('ort-cpu' decoders)
         if node.op_type != "MatMulNBits" or node.attributes.get_int("bits", 4) != 4 or node.inputs[1] is None:
             continue

@@ -8,21 +8,24 @@ of two implementations instead:
 - :data:`EXPORTABLE_EXPERTS`, transformers' own ``batched_mm``: standard operators (each token's
   chosen experts' weights gathered per token and expert, then batched products) — the portable
   form, and every file's form for experts the kernel cannot take;
-- :data:`KERNEL_EXPERTS` (``'ort-cpu'`` fp32): ONNX Runtime's ``com.microsoft.MoE``, which groups
-  the tokens by expert and reads each expert's weights in place.
+- :data:`KERNEL_EXPERTS` (``'ort-cpu'``): ONNX Runtime's ``com.microsoft.MoE`` (int4 experts: its
+  ``QMoE``), which groups the tokens by expert and reads each expert's weights in place.
 
 Either way the router is the model's own, in standard operators: the experts receive its chosen
 experts and weights. ``MoE`` takes router logits instead (softmax, top-k, optionally renormalised),
 so the file hands it the logarithms of the router's weights at the chosen experts and ``-inf``
 elsewhere, asks it to renormalise (the chosen weights divided by their sum), and multiplies its
 output by that sum: the router's weights, whatever its rule (renormalised or not, softmax or
-sigmoid), up to a rounding or two. ONNX Runtime's CPU kernel takes a gated SiLU expert with its
-gate and up rows interleaved; the capture hands it the model's weights in that layout.
+sigmoid), up to a rounding or two. The node states the model's own layout (gate rows, then up
+rows: ``swiglu_fusion=2``); ONNX Runtime's CPU kernel takes them interleaved, which
+:class:`~onnxport.passes.moe_kernel.MoEInterleavePass` (float experts) and
+:class:`~onnxport.passes.moe_kernel.QMoEPass` (int4 experts, as ``QMoE``) write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,15 +38,16 @@ KERNEL_EXPERTS = "onnxport_moe"
 @torch.library.custom_op("onnxport::moe", mutates_args=())
 def moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, fc1: torch.Tensor,
         fc2: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_bias: torch.Tensor | None, k: int) -> torch.Tensor:
-    """ONNX Runtime's ``MoE`` with a gated SiLU (``swiglu``, gate and up rows interleaved in
-    ``fc1``: [experts, 2 * inner, hidden]; ``fc2``: [experts, hidden, inner]), given the router's
-    choice: ``hidden`` [tokens, hidden], ``top_k_index`` and ``top_k_weights`` [tokens, k]."""
+    """ONNX Runtime's ``MoE`` with a gated SiLU (``swiglu``; ``fc1``: [experts, gate rows then up
+    rows, hidden]; ``fc2``: [experts, hidden, inner]), given the router's choice: ``hidden``
+    [tokens, hidden], ``top_k_index`` and ``top_k_weights`` [tokens, k]."""
     expert = top_k_index.reshape(-1)
     rows = hidden.repeat_interleave(k, dim=0)
     both = torch.bmm(fc1[expert], rows.unsqueeze(-1)).squeeze(-1)
     if fc1_bias is not None:
         both = both + fc1_bias[expert]
-    inner = torch.nn.functional.silu(both[:, 0::2]) * both[:, 1::2]
+    gate, up = both.chunk(2, dim=-1)
+    inner = torch.nn.functional.silu(gate) * up
     out = torch.bmm(fc2[expert], inner.unsqueeze(-1)).squeeze(-1)
     if fc2_bias is not None:
         out = out + fc2_bias[expert]
@@ -74,7 +78,7 @@ def translation_table() -> dict[Any, Any]:
         shape = op.Concat(op.Shape(hidden, end=1), op.Shape(fc1, end=1), axis=0)
         logits = op.ScatterElements(op.ConstantOfShape(shape, value=never), top_k_index, op.Log(top_k_weights), axis=1)
         mixed = mixture(hidden, logits, fc1, fc1_bias, fc2, fc2_bias, k=k, activation_type="swiglu",
-                            swiglu_fusion=1, normalize_routing_weights=1)
+                            swiglu_fusion=2, normalize_routing_weights=1)
         return op.Mul(mixed, op.ReduceSum(top_k_weights, op.Constant(value_ints=[1]), keepdims=1))
 
     return {torch.ops.onnxport.moe.default: moe_onnx}
@@ -86,9 +90,9 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def kernel_takes(module: torch.nn.Module) -> bool:
-    """Whether ONNX Runtime's CPU ``MoE`` computes what ``module`` computes: gated SiLU experts
-    (transformers' default gate), gate and up concatenated, weights [experts, out, in] in
-    float32, no norm after the experts."""
+    """Whether ONNX Runtime's ``MoE`` computes what ``module`` computes: gated SiLU experts
+    (transformers' default gate), gate and up concatenated, weights [experts, out, in] in float32
+    (or torchao's quantized experts' plain stand-ins), no norm after the experts."""
     from transformers.integrations import moe as hf_moe
 
     act = getattr(module, "act_fn", None)
@@ -102,37 +106,40 @@ def kernel_takes(module: torch.nn.Module) -> bool:
                     and w.dim() == 3 for w in weights))
 
 
-def _interleaved(gate_up: torch.Tensor) -> torch.Tensor:
-    """[experts, gate rows | up rows, …] → [experts, gate 0, up 0, gate 1, up 1, …, …]."""
-    experts, rows = gate_up.shape[:2]
-    return gate_up.detach().reshape(experts, 2, rows // 2, *gate_up.shape[2:]).transpose(1, 2).reshape(gate_up.shape).contiguous()
+#: the experts modules the kernel takes while a capture runs
+_TAKEN: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def qmoe_holds(weights: list) -> bool:
+    """Whether ONNX Runtime's ``QMoE`` can hold every quantized expert weight of ``weights``
+    (:class:`~onnxport.exporters.weight_only.QuantizedWeight`): int4, symmetric, blocked along the
+    input features by a power of two from 16 (:class:`~onnxport.passes.moe_kernel.QMoEPass`)."""
+    return all(w.bits == 4 and w.zero_point is None and w.axis == 2 and w.group >= 16 and not w.group & (w.group - 1)
+               for w in weights if w.kind == "experts")
 
 
 def _kernel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    if not getattr(self, "_onnxport_interleaved", False):
-        from transformers.integrations import moe as hf_moe
+    from transformers.integrations import moe as hf_moe
 
+    if self not in _TAKEN:  # decided before the capture: its parameters are fake tensors here
         return hf_moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    bias = bool(getattr(self, "has_bias", False))
     return torch.ops.onnxport.moe(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
-                                  self.down_proj, getattr(self, "gate_up_proj_bias", None) if self.has_bias else None,
-                                  getattr(self, "down_proj_bias", None) if self.has_bias else None, top_k_index.shape[-1])
+                                  self.down_proj, self.gate_up_proj_bias if bias else None,
+                                  self.down_proj_bias if bias else None, top_k_index.shape[-1])
 
 
 @contextlib.contextmanager
 def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Iterator[list[torch.nn.Module]]:
     """Capture ``model``'s experts with :data:`EXPORTABLE_EXPERTS`, or with ONNX Runtime's kernel
     where ``kernel`` and :func:`kernel_takes` (then ``torch_program`` needs
-    :func:`translation_table`); give the model back as it was afterwards. Yields the modules the
-    kernel takes. Models without experts are left alone.
-
-    The kernel's layout is a copy of each gate/up weight (interleaved), held while the block runs.
-    """
+    :func:`translation_table`); give the model back its own implementation afterwards. Yields the
+    modules the kernel takes. Models without experts are left alone; no weight is changed."""
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
     configs = list({id(c): c for c in configs}.values())
     saved = [c._experts_implementation_internal for c in configs]
     taken = [m for m in experts_modules(model) if kernel and kernel_takes(m)]
-    originals = []
     interface: Any = None
     try:
         if taken:
@@ -140,22 +147,14 @@ def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Itera
 
             interface = ALL_EXPERTS_FUNCTIONS
             interface[KERNEL_EXPERTS] = _kernel_forward
-        for module in taken:
-            originals.append((module, module.gate_up_proj, module.gate_up_proj_bias if module.has_bias else None))
-            module.gate_up_proj = torch.nn.Parameter(_interleaved(module.gate_up_proj), requires_grad=False)
-            if module.has_bias:
-                module.gate_up_proj_bias = torch.nn.Parameter(_interleaved(module.gate_up_proj_bias), requires_grad=False)
-            setattr(module, "_onnxport_interleaved", True)  # noqa: B010 - read by _kernel_forward
+        _TAKEN.update(taken)
         for config in configs:
             config._experts_implementation_internal = KERNEL_EXPERTS if taken else EXPORTABLE_EXPERTS
         yield taken
     finally:
         for config, value in zip(configs, saved):
             config._experts_implementation_internal = value
-        for module, weight, bias in originals:
-            module.gate_up_proj = weight
-            if bias is not None:
-                module.gate_up_proj_bias = bias
-            del module._onnxport_interleaved
+        for module in taken:
+            _TAKEN.discard(module)
         if interface is not None and KERNEL_EXPERTS in interface:
             del interface[KERNEL_EXPERTS]

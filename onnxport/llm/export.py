@@ -46,7 +46,7 @@ from ..errors import (
     WeakerCheckWarning,
     check_choice,
 )
-from .experts import exportable_experts
+from .experts import exportable_experts, qmoe_holds
 from .experts import translation_table as experts_translation
 from .generate import METADATA_KEY, decode, ort_step
 from .model import DecoderShape, cached_call, cached_forward, check_cache, decoder_shape, load_causal_lm
@@ -227,13 +227,14 @@ def _forced_decoding(step: Any, shape: DecoderShape, tokens: np.ndarray) -> tupl
 
 
 def _float_activations(path: Path) -> tuple[bytes, Any] | None:
-    """The file's graph with every ``MatMulNBits`` at accuracy level 0 (float activations), and
+    """The file's graph with every ``MatMulNBits`` and ``QMoE`` at accuracy level 0 (float activations), and
     session options that find its weights in the file's folder; None when it holds no other level.
     Its integers are the file's own: only the kernel's arithmetic differs."""
     import onnxruntime as ort
 
     proto = onnx.load_model(str(path), load_external_data=False)
-    levels = [a for n in proto.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"]
+    levels = [a for n in proto.graph.node if n.op_type in ("MatMulNBits", "QMoE") and n.domain == "com.microsoft"
+              for a in n.attribute if a.name == "accuracy_level"]
     if not any(a.i for a in levels):
         return None
     for attribute in levels:
@@ -524,6 +525,7 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
     from ..exporters.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
     from ..passes.group_query_attention import GroupQueryAttentionPass
     from ..passes.matmul_nbits import MatMulNBitsPass
+    from ..passes.moe_kernel import MoEInterleavePass, QMoEPass
     from ..passes.optimize import OnnxSlimPass
     from ..passes.relu_as_max import ReluAfterWeightOnlyMatMulPass
     from ..passes.rsqrt_div import RsqrtToDivPass
@@ -534,6 +536,8 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
     if weights:
         steps.append(Step("store the weights as torchao's integers", InsertDequantizersPass(weights), OnFile))
     if fusion is not None:
+        # after the integers are in place: a quantized expert's stand-in is no float weight
+        steps.append(Step("a mixture's float experts interleaved for ONNX Runtime's MoE", MoEInterleavePass(), Structural))
         # the fused kernels add in another order: the decoding proof on the file is theirs
         steps.append(Step("fuse for ONNX Runtime's CPU (onnxscript)", fusion, OnFile))
         if contrib:
@@ -548,6 +552,7 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
         # ORT's kernel at its default level for the pair it would fuse itself: int8 activations;
         # the proof runs the file's integers at level 0 as well (torchao's arithmetic)
         steps.append(Step("int4 weights as ONNX Runtime's MatMulNBits", MatMulNBitsPass(accuracy_level=4), OnFile))
+        steps.append(Step("int4 experts as ONNX Runtime's QMoE", QMoEPass(accuracy_level=4), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
@@ -575,7 +580,7 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     result = DecoderFile(file, job.precision, job.flavour, shape)
 
     def capture() -> Any:
-        kernel = job.flavour == "ort-cpu" and job.precision == "fp32"
+        kernel = job.flavour == "ort-cpu" and (job.precision == "fp32" or job.precision == "int4" and qmoe_holds(weights))
         with eval_mode(job.export_model), cached_forward(job.export_model, shape), \
                 _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET), \
                 exportable_experts(job.export_model, kernel=kernel) as taken:
