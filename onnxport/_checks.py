@@ -67,22 +67,6 @@ def run(
     return run_batches(source(model, scratch, "run.onnx"), [feeds], optimized=optimized)[0]
 
 
-def release_freed_memory() -> None:
-    """Hand freed heap memory (a serialised or parsed graph) back to the OS before ONNX Runtime loads a file.
-
-    glibc keeps freed blocks for reuse; at LLM scale those are gigabytes that the sessions would
-    otherwise stack on top of. A no-op where there is no glibc.
-    """
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def run_batches(
     source: bytes | str, batches: list[Mapping[str, np.ndarray]], *, optimized: bool,
     save_optimised: Path | None = None,

@@ -28,6 +28,7 @@ import onnx_ir as ir
 
 from . import _checks
 from ._core.axes import Axes, describe, file_axes_problems, second_size
+from ._core.io import release_freed_memory
 from ._core.ir import STREAM_INLINE_BYTES, save_ir
 from .errors import ExportRefusedError
 
@@ -251,7 +252,7 @@ class Pipeline:
         # below read the file again (at 1.1B parameters, 0.7 GB on top of ONNX Runtime's own).
         del header
         if path.stat().st_size >= STREAM_INLINE_BYTES:  # a collection costs 0.1-0.3 s: only where it pays
-            _checks.release_freed_memory()
+            release_freed_memory()
         for rule in rules:
             rule(path)
         self.sessions += 1

@@ -128,3 +128,30 @@ def test_the_model_given_is_not_changed_and_the_defaults_stay_the_seeds(tmp_path
     assert compare_onnx(model, path, tokens).tolerances == {"rtol": 1e-3, "atol": 1e-5}
     with pytest.raises(InvalidArgumentError, match="give one of them"):
         compare_onnx(model, path, tokens, rtol=1e-3, rounding_floor=True)
+
+
+def test_a_model_widened_in_place_for_its_floor_comes_back_exactly_as_it_was():
+    # export_decoder and export_seq2seq widen a model they loaded themselves in place (no float64
+    # copy beside it): every tensor must come back bit for bit, with its dtype, identity and ties
+    from onnxport.compare.exported import float64_model
+
+    torch.manual_seed(1)
+    model = TinyTransformer()
+    model.head = nn.Linear(model.embed.embedding_dim, model.embed.num_embeddings, bias=False)
+    model.head.weight = model.embed.weight  # tied
+    model.register_buffer("half_table", torch.randn(3, 5).half())
+    model.register_buffer("wide_table", torch.randn(4, dtype=torch.float64))
+    model.register_buffer("steps", torch.arange(6))
+    before = {name: t.clone() for name, t in model.state_dict(keep_vars=False).items()}
+    parameters = {name: p for name, p in model.named_parameters()}
+    with float64_model(model, in_place=True) as wide:
+        assert wide is model and model.embed.weight.dtype == torch.float64 and model.head.weight is model.embed.weight
+        assert model.half_table.dtype == torch.float64 and model.steps.dtype == torch.int64
+    after = model.state_dict()
+    assert {name: (t.dtype, t.shape) for name, t in after.items()} == {name: (t.dtype, t.shape) for name, t in before.items()}
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert all(p is parameters[name] for name, p in model.named_parameters()) and model.head.weight is model.embed.weight
+    # a model the caller does not own is copied: the block sees float64, the model never changes
+    with float64_model(model) as wide:
+        assert wide is not model and next(wide.parameters()).dtype == torch.float64
+        assert next(model.parameters()).dtype == torch.float32

@@ -431,3 +431,19 @@ def staged_folder(output_dir: str | os.PathLike) -> Iterator[Path]:
     finally:
         if stage.exists():
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory (a serialised or parsed graph) back to the OS before ONNX Runtime loads a file.
+
+    glibc keeps freed blocks for reuse; at LLM scale those are gigabytes that the sessions would
+    otherwise stack on top of. A no-op where there is no glibc.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -10,9 +10,11 @@ shallow model with a real defect; the floor is measured on the model and the CPU
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,71 @@ def float64_copy(model: Any) -> Any:
         return (f"a float64 copy of its weights ({needed / 2**30:.1f} GB) would take more than "
                 f"{FLOAT64_MEMORY_SHARE:.0%} of the memory available ({available / 2**30:.1f} GB)")
     return copy.deepcopy(model).double()
+
+
+@contextlib.contextmanager
+def float64_model(model: Any, *, in_place: bool = False) -> Iterator[Any]:
+    """``model`` in float64 for the block, or, as a string, why there is none.
+
+    A copy (:func:`float64_copy`: the model beside it, three times its float32 weights); with
+    ``in_place``, for a model nobody else holds (one the caller loaded), the model itself, widened
+    for the block and narrowed back afterwards to each tensor's own dtype — exactly its values, since
+    float64 holds every float32 and float16 value — with no second copy of its weights.
+    """
+    if not in_place:
+        wide = float64_copy(model)
+        try:
+            yield wide
+        finally:
+            del wide
+        return
+    needed = _float64_copy_bytes(model) - sum(t.numel() * t.element_size() for t in _floating(model))
+    available = _available_memory()
+    if available is not None and needed > FLOAT64_MEMORY_SHARE * available:
+        yield (f"widening its weights to float64 (another {needed / 2**30:.1f} GB) would take more than "
+               f"{FLOAT64_MEMORY_SHARE:.0%} of the memory available ({available / 2**30:.1f} GB)")
+        return
+    dtypes = {id(t): t.dtype for t in _floating(model)}
+    import torch
+
+    narrowed = _retype(model, lambda t: torch.float64)
+    try:
+        yield model
+    finally:
+        _retype(model, lambda t: dtypes[narrowed[id(t)]])
+
+
+def _retype(model: Any, dtype_of: Any) -> dict[int, int]:
+    """Convert ``model``'s floating parameters (in place: each stays the same Parameter) and buffers
+    to ``dtype_of(tensor)``, a tensor held twice converted once; returns new tensor id → old id."""
+    from .._core.io import release_freed_memory
+
+    done: dict[int, Any] = {}
+    converted = 0
+    for module in model.modules():
+        for table, parameters in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(table.items()):
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                if id(tensor) not in done:
+                    if parameters:
+                        tensor.data = tensor.data.to(dtype_of(tensor))
+                        done[id(tensor)] = tensor
+                    else:
+                        done[id(tensor)] = tensor.to(dtype_of(tensor))
+                    converted += tensor.numel()
+                    if converted > 1 << 24:
+                        # glibc keeps what the old tensors freed: handed back as it goes, the model
+                        # never holds both widths at once
+                        release_freed_memory()
+                        converted = 0
+                table[name] = done[id(tensor)]
+    release_freed_memory()
+    return {id(new): old for old, new in done.items()}
+
+
+def _floating(model: Any) -> list[Any]:
+    return list({id(t): t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}.values())
 
 
 def float64_failure(error: BaseException) -> str:

@@ -27,8 +27,8 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from .._checks import release_freed_memory
 from .._core.axes import describe, second_size
+from .._core.io import release_freed_memory
 from .._core.ir import register_constant
 from ..errors import ExportRefusedError, InvalidArgumentError, PerformanceWarning, RuntimePrecisionWarning
 from ..rounding import cosine

@@ -33,8 +33,8 @@ from ..compare import (
 from ..compare.exported import (
     FLOAT64_ERRORS,
     FLOAT_FLOOR_MULTIPLE,
-    float64_copy,
     float64_failure,
+    float64_model,
     nonfinite_reason,
 )
 from ..engine import validate_opset
@@ -272,20 +272,19 @@ class FloatFloor:
 
 
 def _float_floor(model: torch.nn.Module, shape: DecoderShape, tokens: np.ndarray,
-                 logits32: list[np.ndarray]) -> FloatFloor | str:
-    """The model's float floor on the proof's decoding, or why it cannot be measured."""
-    wide = float64_copy(model)
-    if isinstance(wide, str):
-        return wide
+                 logits32: list[np.ndarray], *, owned: bool) -> FloatFloor | str:
+    """The model's float floor on the proof's decoding, or why it cannot be measured. A model
+    ``owned`` (loaded here) is widened in place and narrowed back: no float64 copy beside it."""
     wide_shape = dataclasses.replace(shape, cache_dtype="float64")
-    try:
-        # a mixture of experts' default implementation (a grouped matmul) has no float64 kernel
-        with eval_mode(wide), exportable_experts(wide):
-            reference, _ = _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)
-    except FLOAT64_ERRORS as error:
-        return float64_failure(error)
-    finally:
-        del wide
+    with float64_model(model, in_place=owned) as wide:
+        if isinstance(wide, str):
+            return wide
+        try:
+            # a mixture of experts' default implementation (a grouped matmul) has no float64 kernel
+            with eval_mode(wide), exportable_experts(wide):
+                reference, _ = _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)
+        except FLOAT64_ERRORS as error:
+            return float64_failure(error)
     broken = nonfinite_reason(reference, logits32)
     if broken is not None:
         return broken
@@ -385,6 +384,13 @@ def export_decoder(
         weights: list = []
         reference_model = model
         export_model = model
+        if precision == "fp32" and source_folder is not None:
+            # loaded here: its tensors view the mapped weights file, which none of them frees alone;
+            # owning their memory, each gives its own back when the float floor widens it in place
+            from .._core.io import release_freed_memory
+
+            _own_tensors(model)
+            release_freed_memory()
         if precision == "fp16":
             # the half model is the reference: the file computes what it computes, as a user
             # running model.half() would see it (a copy: the model given is never changed)
@@ -403,7 +409,7 @@ def export_decoder(
                 # loaded here, so nobody else holds it: its float linear weights would otherwise
                 # stay in memory through the whole export (the weights file is mapped, and the
                 # tensors the quantized copy shares keep the whole mapping alive)
-                from .._checks import release_freed_memory
+                from .._core.io import release_freed_memory
 
                 _own_tensors(reference_model)
                 export_model = export_copy(reference_model, weights)
@@ -416,7 +422,7 @@ def export_decoder(
             tokens, reference_logits = _reference_decoding(reference_model, shape)
         floor: FloatFloor | str | None = None
         if precision == "fp32":
-            floor = _float_floor(reference_model, shape, tokens, reference_logits)
+            floor = _float_floor(reference_model, shape, tokens, reference_logits, owned=source_folder is not None)
             if isinstance(floor, str):
                 warnings.warn(
                     f"export_decoder cannot measure {model_name}'s float floor: {floor}. The fp32 file is held to a "

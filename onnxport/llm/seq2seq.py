@@ -26,7 +26,7 @@ from ..compare import (
     compare_runs,
     relative_distance,
 )
-from ..compare.exported import FLOAT64_ERRORS, FLOAT_FLOOR_MULTIPLE, float64_copy, float64_failure, nonfinite_reason
+from ..compare.exported import FLOAT64_ERRORS, FLOAT_FLOOR_MULTIPLE, float64_failure, float64_model, nonfinite_reason
 from ..engine import validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError, WeakerCheckWarning, check_choice
 from .export import (
@@ -221,20 +221,19 @@ def _reference(model: Any, shape: Seq2SeqShape, start: int) -> _Proof:
     return _Proof(source, mask, prompt, tokens, encoded, logits)
 
 
-def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof) -> str | None:
-    """Fill the proof's float64 references and floors, or say why they cannot be measured."""
-    wide = float64_copy(model)
-    if isinstance(wide, str):
-        return wide
+def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof, *, owned: bool) -> str | None:
+    """Fill the proof's float64 references and floors, or say why they cannot be measured. A model
+    ``owned`` (loaded here) is widened in place and narrowed back: no float64 copy beside it."""
     wide_shape = dataclasses.replace(shape, cache_dtype="float64")
-    try:
-        with eval_mode(wide):
-            encoded = torch_encoder(wide, wide_shape, start)(proof.source, proof.mask)
-            logits, _ = _forced(torch_decoder(wide, wide_shape), encoded[1:], proof.mask, proof, start)
-    except FLOAT64_ERRORS as error:
-        return float64_failure(error)
-    finally:
-        del wide
+    with float64_model(model, in_place=owned) as wide:
+        if isinstance(wide, str):
+            return wide
+        try:
+            with eval_mode(wide):
+                encoded = torch_encoder(wide, wide_shape, start)(proof.source, proof.mask)
+                logits, _ = _forced(torch_decoder(wide, wide_shape), encoded[1:], proof.mask, proof, start)
+        except FLOAT64_ERRORS as error:
+            return float64_failure(error)
     broken = nonfinite_reason(encoded, proof.encoder_outputs) or nonfinite_reason(logits, proof.logits)
     if broken is not None:
         return broken
@@ -342,7 +341,7 @@ def export_seq2seq(
         start = start_token(model)
         job = _prepare(model, precision, group_size, start, opset, folder, flavour, loaded=source_folder is not None)
         if precision == "fp32":
-            why = _float_floor(model, job.shape, start, job.proof)
+            why = _float_floor(model, job.shape, start, job.proof, owned=source_folder is not None)
             if why is not None:
                 warnings.warn(
                     f"export_seq2seq cannot measure {name}'s float floor: {why}. The files are held to a fixed "
@@ -385,6 +384,14 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
     """The models of ``precision`` (the given model is never changed) and the proof's references."""
     weights: list = []
     reference = export = model
+    if precision == "fp32" and loaded:
+        from .._core.io import release_freed_memory
+        from .export import _own_tensors
+
+        # its tensors view the mapped weights file, which none of them frees alone; owning their
+        # memory, each gives its own back when the float floor widens it in place
+        _own_tensors(model)
+        release_freed_memory()
     if precision == "fp16":
         from .export import _half_copy
 
