@@ -429,12 +429,12 @@ def trained_bart():
     return model, source, expected
 
 
-@pytest.mark.parametrize("precision", ["int4", "int8"])
-def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, precision, tmp_path):
+@pytest.mark.parametrize(("precision", "flavour"), [("int4", "portable"), ("int8", "portable"), ("int4", "ort-cpu")])
+def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, precision, flavour, tmp_path):
     from onnxport.exporters.weight_only import file_weights
 
     model, source, expected = trained_bart
-    result = export_seq2seq(model, tmp_path / "onnx", precision=precision, group_size=32)
+    result = export_seq2seq(model, tmp_path / "onnx", precision=precision, group_size=32, flavour=flavour)
     assert result.agreement and result.encoder_agreement
     # every Linear of the encoder, the decoder and the cross-attention, and the head tied to the
     # embeddings, is stored as torchao's integers, once, in the file that reads it; the lookups
@@ -450,6 +450,8 @@ def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, 
     assert all(w["dtype"] == (onnx.TensorProto.INT4 if precision == "int4" else onnx.TensorProto.INT8)
                for w in stored.values())
     assert not set(file_weights(result.encoder)) & set(file_weights(result.decoder))
+    # 'ort-cpu': the integers in ONNX Runtime's MatMulNBits, held once in memory (read back as above)
+    assert {r for w in stored.values() for r in w["readers"]} == ({"MatMulNBits"} if flavour == "ort-cpu" else {"MatMul"})
     got = generate(result.folder, source, np.ones_like(source), max_new_tokens=8)
     assert got.shape == expected.shape and (got == expected).mean() >= 0.9
 

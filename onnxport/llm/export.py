@@ -244,6 +244,17 @@ def _float_activations(path: Path) -> tuple[bytes, Any] | None:
     return proto.SerializeToString(), options
 
 
+def unoptimised_session(path: Path) -> Any:
+    """ONNX Runtime's session on ``path`` with every graph optimisation off, and every
+    ``MatMulNBits``/``QMoE`` at accuracy level 0: the file computed by its ONNX semantics, its
+    integer weights with float activations (torchao's arithmetic), whatever level it states."""
+    from ..runtime import make_session
+
+    twin = _float_activations(path)
+    return (make_session(path, optimized=False) if twin is None
+            else make_session(twin[0], optimized=False, session_options=twin[1]))
+
+
 def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimized: bool) -> tuple[list[np.ndarray], float]:
     """The file's last logits at every step, teacher-forced with the model's tokens (see
     :func:`_forced_decoding`), and how often its own pick matched. Unoptimised, the file's
@@ -251,9 +262,7 @@ def _file_decoding(path: Path, shape: DecoderShape, tokens: np.ndarray, optimize
     from ..runtime import make_session
 
     try:
-        twin = None if optimized else _float_activations(path)
-        session = (make_session(path, optimized=optimized) if twin is None
-                   else make_session(twin[0], optimized=False, session_options=twin[1]))
+        session = make_session(path) if optimized else unoptimised_session(path)
     except Exception as error:  # ONNX Runtime raises its own Fail/InvalidGraph types
         raise _RuntimeRefused(f"ONNX Runtime cannot load it: {_first_line(error)}") from error
     try:

@@ -307,7 +307,8 @@ def export_seq2seq(
         flavour: ``'portable'``: standard ONNX operators at ``opset_version``; ``'ort-cpu'``:
             onnxscript's fusions for ONNX Runtime's CPU (com.microsoft ``MultiHeadAttention`` for
             self- and cross-attention, ``SkipLayerNormalization`` or its RMS form, ``BiasGelu``),
-            counted in the result's ``fusions``.
+            counted in the result's ``fusions``; int4 weights written as ``MatMulNBits`` at accuracy
+            level 4 (held once in memory; the proof runs them at level 0 as well).
         group_size: int4/int8: input features per scale (a power of two from 16 for MatMulNBits).
         opset_version: the default-domain opset: 18 or later (default 18); int4/int8 21 or later
             (default 21: int4 and blocked scales are new there).
@@ -432,7 +433,8 @@ def _steps(job: _Job) -> list:
     from ..passes.ort_fusions import OrtFusionPass
     from .export import decoder_steps
 
-    return decoder_steps(job.weights, OrtFusionPass() if job.result.flavour == "ort-cpu" else None)
+    ort_cpu = job.result.flavour == "ort-cpu"
+    return decoder_steps(job.weights, OrtFusionPass() if ort_cpu else None, nbits=ort_cpu and job.result.precision == "int4")
 
 
 def _fusions_of(job: _Job, file: str) -> Any:
@@ -469,7 +471,7 @@ def _placed(job: _Job, graph: Any, present: list) -> Any:
 def _write_encoder(job: _Job, file: Path) -> None:
     from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
-    from ..runtime import make_session
+    from .export import unoptimised_session
 
     shape, proof, result = job.shape, job.proof, job.result
     axes, _ = _axes(shape)
@@ -487,8 +489,7 @@ def _write_encoder(job: _Job, file: Path) -> None:
                                               axes=axes).model, present)
 
     def proven(path: Path) -> None:
-        session = make_session(path, optimized=False)
-        got = ort_encoder(session)(proof.source, proof.mask)
+        got = ort_encoder(unoptimised_session(path))(proof.source, proof.mask)
         reference = proof.wide_encoder or proof.encoder_outputs
         result.encoder_agreement = _compare(shape.encoder_outputs, got, reference, proof.encoder_floors, "unoptimised",
                                             result.precision)
@@ -510,6 +511,7 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
     from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..runtime import make_session
+    from .export import unoptimised_session
 
     shape, proof, result = job.shape, job.proof, job.result
     _, axes = _axes(shape)
@@ -536,10 +538,10 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
 
     def decoding(path: Path) -> None:
         # the written encoder feeds the decoder at both levels (ONNX semantics for its outputs)
-        encoded = ort_encoder(make_session(stage / ENCODER_FILE, optimized=False))(proof.source, proof.mask)
+        encoded = ort_encoder(unoptimised_session(stage / ENCODER_FILE))(proof.source, proof.mask)
         levels = {}
         for optimized in (False, True):
-            step = ort_decoder(make_session(path, optimized=optimized))
+            step = ort_decoder(make_session(path) if optimized else unoptimised_session(path))
             levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, job.start)
         reference = proof.wide_logits or proof.logits
         names = _step_names(len(reference))
