@@ -140,6 +140,13 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
     return flat[0::2] | (flat[1::2] << 4)
 
 
+def unpack_nibbles(packed: np.ndarray, count: int | None = None) -> np.ndarray:
+    """The inverse of :func:`pack_nibbles` along the last axis: each byte's low nibble, then its
+    high one, as unsigned values; the first ``count`` of each row (all when None)."""
+    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return values if count is None else values[..., :count]
+
+
 def register_constant(graph: ir.Graph, name: str, array: np.ndarray, dtype: ir.DataType | None = None) -> ir.Value:
     """A new initializer of ``graph`` holding ``array`` (as ``dtype`` when given)."""
     tensor: ir.TensorProtocol

@@ -24,16 +24,12 @@ from .._core.ir import (
     is_default,
     pack_nibbles,
     register_constant,
+    unpack_nibbles,
 )
 
 #: the packed weight's name: the dequantized weight's name and this suffix
 PACKED_SUFFIX = ".nbits"
 _INT4 = (ir.DataType.INT4, ir.DataType.UINT4)
-
-
-def _unpack(packed: np.ndarray, count: int) -> np.ndarray:
-    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    return values[..., :count]
 
 
 def _matmul_nbits_of(dq: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int] | None:
@@ -121,8 +117,8 @@ def unpacked(node: Any, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarr
     ``axis`` 0 and ``block_size``."""
     k, n, block = (node.attributes.get_int(key, 0) for key in ("K", "N", "block_size"))
     blocks = k // block
-    q = _unpack(b.reshape(n, blocks, block // 2), block).reshape(n, k).T.astype(np.int8) - 8
+    q = unpack_nibbles(b.reshape(n, blocks, block // 2), block).reshape(n, k).T.astype(np.int8) - 8
     zp = None
     if zero_points is not None:
-        zp = (_unpack(zero_points.reshape(n, -1), blocks).T.astype(np.int8) - 8)
+        zp = (unpack_nibbles(zero_points.reshape(n, -1), blocks).T.astype(np.int8) - 8)
     return {"q": q, "scale": scales.reshape(n, blocks).T.copy(), "zp": zp, "axis": 0, "block_size": block}

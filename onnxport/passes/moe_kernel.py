@@ -29,6 +29,7 @@ from .._core.ir import (
     is_default,
     pack_nibbles,
     register_constant,
+    unpack_nibbles,
 )
 
 #: a packed weight's name: the dequantized weight's name and this suffix
@@ -158,7 +159,7 @@ def unpacked_experts(node: Any, packed: np.ndarray, scales: np.ndarray, gate_up:
     """One of a 4-bit QMoE's weights as the DequantizeLinear it stands for: signed int4 ``q``
     [experts, out, in], ``scale`` [experts, out, in / block] (a gate/up weight in the model's
     concatenated order), ``axis`` 2 and ``block_size``."""
-    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1).astype(np.int8) - 8
+    values = unpack_nibbles(packed).astype(np.int8) - 8
     if gate_up and node.attributes.get_int("swiglu_fusion", 0) == 1:
         values, scales = deinterleave(values), deinterleave(scales)
     return {"q": values, "scale": np.ascontiguousarray(scales), "zp": None, "axis": 2,
