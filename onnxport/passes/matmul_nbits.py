@@ -32,9 +32,10 @@ PACKED_SUFFIX = ".nbits"
 _INT4 = (ir.DataType.INT4, ir.DataType.UINT4)
 
 
-def _matmul_nbits_of(dq: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int] | None:
-    """(q as unsigned [K, N], scales [K/block, N], unsigned zero-points or None, block) of an int4
-    blocked DequantizeLinear MatMulNBits can hold, else None."""
+def blocked_int4(dq: ir.Node, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool] | None:
+    """(q, scales, zero-points or None, block, signed) of a constant int4 ``DequantizeLinear`` blocked
+    along ``axis`` (of a 2-D weight: 0; of experts' 3-D one: 2) by a power of two from 16, with
+    float32 scales shaped as its blocks; else None."""
     if dq.op_type != "DequantizeLinear" or not is_default(dq) or len(dq.inputs) < 2:
         return None
     q_value = dq.inputs[0]
@@ -43,12 +44,24 @@ def _matmul_nbits_of(dq: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray | 
     q, scale = const_array(q_value), const_array(dq.inputs[1])
     zp = const_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
     block = dq.attributes.get_int("block_size", 0)
-    if q is None or scale is None or q.ndim != 2 or scale.dtype != np.float32 or dq.attributes.get_int("axis", 1) not in (0, -2):
+    if q is None or scale is None or scale.dtype != np.float32 or axis >= q.ndim:
         return None
-    k, n = q.shape
-    if block < 16 or block & (block - 1) or k % block or scale.shape != (k // block, n):
+    if dq.attributes.get_int("axis", 1) % q.ndim != axis:
         return None
-    signed = q_value.const_value.dtype == ir.DataType.INT4
+    blocks = list(q.shape)
+    blocks[axis] //= max(block, 1)
+    if block < 16 or block & (block - 1) or q.shape[axis] % block or scale.shape != tuple(blocks):
+        return None
+    return q, scale, zp, block, q_value.const_value.dtype == ir.DataType.INT4
+
+
+def _matmul_nbits_of(dq: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int] | None:
+    """(q as unsigned [K, N], scales [K/block, N], unsigned zero-points or None, block) of an int4
+    blocked DequantizeLinear MatMulNBits can hold, else None."""
+    found = blocked_int4(dq, 0)
+    if found is None or found[0].ndim != 2:
+        return None
+    q, scale, zp, block, signed = found
     shift = 8 if signed else 0  # MatMulNBits holds unsigned values
     if zp is None:
         # a signed weight's zero is MatMulNBits' default zero-point (8); an unsigned one's is 0

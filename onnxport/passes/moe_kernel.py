@@ -26,11 +26,11 @@ from .._core.ir import (
     const_array,
     drop_unread_constants,
     graph_nodes,
-    is_default,
     pack_nibbles,
     register_constant,
     unpack_nibbles,
 )
+from .matmul_nbits import blocked_int4
 
 #: a packed weight's name: the dequantized weight's name and this suffix
 PACKED_SUFFIX = ".qmoe"
@@ -92,19 +92,12 @@ def _int4_experts(value: ir.Value | None) -> tuple[np.ndarray, np.ndarray, int, 
     """(signed q [experts, out, in], scales [experts, out, in / block], block, the DequantizeLinear)
     of an int4 weight blocked along its input features, symmetric, that QMoE can hold; else None."""
     dq = value.producer() if value is not None else None
-    if dq is None or dq.op_type != "DequantizeLinear" or not is_default(dq) or len(list(value.uses())) != 1:
+    if dq is None or len(list(value.uses())) != 1:
         return None
-    q_value = dq.inputs[0]
-    if q_value is None or q_value.const_value is None or q_value.const_value.dtype != ir.DataType.INT4:
+    found = blocked_int4(dq, 2)
+    if found is None or found[0].ndim != 3 or not found[4]:
         return None
-    q, scale = const_array(q_value), const_array(dq.inputs[1] if len(dq.inputs) > 1 else None)
-    zp = const_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
-    block = dq.attributes.get_int("block_size", 0)
-    if q is None or scale is None or q.ndim != 3 or scale.dtype != np.float32 or dq.attributes.get_int("axis", 1) not in (2, -1):
-        return None
-    experts, rows, width = q.shape
-    if block < 16 or block & (block - 1) or width % block or scale.shape != (experts, rows, width // block):
-        return None
+    q, scale, zp, block, _ = found
     if zp is not None and np.any(zp):
         return None  # QMoE's zero-points are unsigned; a symmetric weight's zero is its default (8)
     return q.astype(np.int8), scale, block, dq
