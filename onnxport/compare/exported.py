@@ -104,10 +104,7 @@ def float64_model(model: Any, *, in_place: bool = False) -> Iterator[Any]:
 def _retype(model: Any, dtype_of: Any) -> dict[int, int]:
     """Convert ``model``'s floating parameters (in place: each stays the same Parameter) and buffers
     to ``dtype_of(tensor)``, a tensor held twice converted once; returns new tensor id → old id."""
-    from .._core.io import release_freed_memory
-
     done: dict[int, Any] = {}
-    converted = 0
     for module in model.modules():
         for table, parameters in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in list(table.items()):
@@ -119,14 +116,7 @@ def _retype(model: Any, dtype_of: Any) -> dict[int, int]:
                         done[id(tensor)] = tensor
                     else:
                         done[id(tensor)] = tensor.to(dtype_of(tensor))
-                    converted += tensor.numel()
-                    if converted > 1 << 24:
-                        # glibc keeps what the old tensors freed: handed back as it goes, the model
-                        # never holds both widths at once
-                        release_freed_memory()
-                        converted = 0
                 table[name] = done[id(tensor)]
-    release_freed_memory()
     return {id(new): old for old, new in done.items()}
 
 
