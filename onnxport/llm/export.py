@@ -533,11 +533,13 @@ class _Job:
 def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, nbits: bool = False) -> list:
     """The decoder's graph steps, each with its proof: torchao's integers in place (int4/int8),
     ONNX Runtime's fusions (``'ort-cpu'``; before onnxslim, whose rewrites hide the patterns
-    onnxscript looks for), onnxslim's clean-up with the weights lifted out of its reach, and with
+    onnxscript looks for), attention's key transpositions in layouts ONNX Runtime reads without a
+    copy, onnxslim's clean-up with the weights lifted out of its reach, and with
     ``nbits`` the int4 weights written as ORT's ``MatMulNBits`` (accuracy level 4)."""
     from onnx_ir.passes.common import RemoveUnusedOpsetsPass
 
     from ..exporters.weight_only import InsertDequantizersPass, SlimAroundWeightsPass
+    from ..passes.attention_layout import MhaCacheLayoutPass, SwapLastAxesPass
     from ..passes.group_query_attention import GroupQueryAttentionPass
     from ..passes.matmul_nbits import MatMulNBitsPass
     from ..passes.moe_kernel import MoEInterleavePass, QMoEPass
@@ -558,6 +560,8 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
         if contrib:
             steps.append(Step("cached attention as GroupQueryAttention", GroupQueryAttentionPass(), OnFile))
             steps.append(Step("residual add and RMS norm as SkipSimplifiedLayerNormalization", SkipRmsNormPass(), OnFile))
+        steps.append(Step("MultiHeadAttention reads a cached key and value in its own layout", MhaCacheLayoutPass(),
+                          Structural))
     steps.append(Step("write rsqrt as a division", RsqrtToDivPass(), LastBit))
     if weights:
         steps.append(Step("optimise with onnxslim around the weights", SlimAroundWeightsPass(weights), LastBit))
@@ -570,6 +574,9 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
         steps.append(Step("int4 experts as ONNX Runtime's QMoE", QMoEPass(accuracy_level=4), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
+    # last: the fusions match torch.onnx's own attention patterns, and the intermediate shapes
+    # that prove a swap are all recorded only after onnxslim's shape inference
+    steps.append(Step("swap a key's last two axes with one Transpose", SwapLastAxesPass(), Structural))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
     return steps
 
