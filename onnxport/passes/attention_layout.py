@@ -132,9 +132,9 @@ def _swap_proven(first: ir.Node, second: ir.Node, dims: list) -> bool:
             and all(_is_dim(entry, dims, axis) for entry, axis in zip(result_target, axes)))
 
 
-def _swapped(node: ir.Node) -> tuple[ir.Node, ir.Node, ir.Value] | None:
+def _swapped(node: ir.Node) -> tuple[ir.Node, ir.Value] | None:
     """For a ``Transpose(perm=[0, 2, 1])`` between two Reshapes that together swap the last two
-    axes of a tensor ``x``: the first Reshape, the second, and ``x``."""
+    axes of a tensor ``x``: the second Reshape and ``x``."""
     if node.op_type != "Transpose" or not is_default(node) or _perm(node) != [0, 2, 1]:
         return None
     first = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
@@ -144,7 +144,7 @@ def _swapped(node: ir.Node) -> tuple[ir.Node, ir.Node, ir.Value] | None:
     dims = _dims(first.inputs[0])
     if second is None or dims is None or len(dims) < 3 or not _swap_proven(first, second, dims):
         return None
-    return first, second, first.inputs[0]
+    return second, first.inputs[0]
 
 
 class SwapLastAxesPass(ir.passes.InPlacePass):
@@ -160,7 +160,7 @@ class SwapLastAxesPass(ir.passes.InPlacePass):
             match = _swapped(node)
             if match is None:
                 continue
-            first, second, source = match
+            second, source = match
             rank = len(source.shape)
             perm = [*range(rank - 2), rank - 1, rank - 2]
             transpose = ir.node("Transpose", [source], attributes={"perm": perm}, name=second.name)
