@@ -57,3 +57,22 @@ def guarded(tmp_path):
     before = listing(tmp_path)
     yield previous
     assert listing(tmp_path) == before
+
+
+def ort_optimised_ops(model) -> list[str]:
+    """The op types of ONNX Runtime's optimised graph (extended level: no layout changes), If/Loop bodies included."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as scratch:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = f"{scratch}/optimised.onnx"
+        options.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        optimised = onnx.load(options.optimized_model_filepath)
+    bodies = [n for node in optimised.graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH
+              for n in a.g.node]
+    return [n.op_type for n in optimised.graph.node] + [n.op_type for n in bodies]

@@ -10,6 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxport._checks import run
 from onnxport.passes.attention_layout import MhaCacheLayoutPass, SwapLastAxesPass
+from tests.conftest import ort_optimised_ops
 
 FLOAT = TensorProto.FLOAT
 RNG = np.random.default_rng(0)
@@ -64,20 +65,6 @@ def _scores_model(key_dims: list, result_dims: list, *, record: bool, swap: bool
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
-    import tempfile
-
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as scratch:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        options.optimized_model_filepath = f"{scratch}/optimised.onnx"
-        options.log_severity_level = 3
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
-
-
 @pytest.mark.parametrize("record", [True, False], ids=["recorded shapes", "computed targets"])
 def test_torch_onnx_key_transposition_becomes_one_transpose_that_ort_folds_into_the_product(record):
     model = _scores_model(["b", 2, "s", 8], ["b", 2, 8, "s"], record=record)
@@ -100,7 +87,7 @@ def test_torch_onnx_key_transposition_becomes_one_transpose_that_ort_folds_into_
         got, want = run(swapped, feeds, optimized=False), run(model, feeds, optimized=False)
         assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
     # what the pass is for: ONNX Runtime multiplies by the key transposed in place, no copy
-    assert "Transpose" not in _ort_optimised_ops(swapped) and "Transpose" in _ort_optimised_ops(model)
+    assert "Transpose" not in ort_optimised_ops(swapped) and "Transpose" in ort_optimised_ops(model)
 
 
 def test_a_reshape_the_shapes_do_not_prove_a_swap_is_left_alone():

@@ -22,6 +22,7 @@ from onnxport.passes.ort_quantize import OrtQuantizeOptions, OrtQuantizePass, Se
 from onnxport.passes.rsqrt_div import RsqrtToDivPass
 from onnxport.passes.uint8_activations import ActivationsToUint8Pass
 from onnxport.pipeline import LastBit, OnFile, Pipeline, Step, Structural
+from tests.conftest import ort_optimised_ops
 
 RNG = np.random.default_rng(0)
 FLOAT = TensorProto.FLOAT
@@ -458,8 +459,8 @@ def test_the_exporters_gelu_is_reordered_for_ort_fusion_in_bodies_too():
         assert muls[1].output[0] == "same"
     onnx.checker.check_model(reordered, full_check=True)
     _same_bytes(reordered, model, (2, 64))  # halving is exact: the same bits
-    fused = _ort_optimised_ops(reordered)  # and now ONNX Runtime runs one Gelu per branch
-    assert fused.count("Gelu") == 2 and "Erf" not in fused and _ort_optimised_ops(model).count("Erf") == 2
+    fused = ort_optimised_ops(reordered)  # and now ONNX Runtime runs one Gelu per branch
+    assert fused.count("Gelu") == 2 and "Erf" not in fused and ort_optimised_ops(model).count("Erf") == 2
     # a GELU whose half is not 0.5 (another function) is left alone
     other = onnx.ModelProto()
     other.CopyFrom(model)
@@ -486,7 +487,7 @@ def test_a_gelu_that_reads_a_dequantize_becomes_orts_gelu_in_bodies_too():
     inits = [_c("sqrt2", np.float32(np.sqrt(2))), _c("one", np.float32(1)), _c("half", np.float32(0.5)),
              _c("s", np.float32(0.02)), _c("zp", np.uint8(128))]
     model = _if_model(body, inits, [2, 64], [2, 64])
-    assert _ort_optimised_ops(model).count("Erf") == 2  # the GELU after the pair is not fused by ORT
+    assert ort_optimised_ops(model).count("Erf") == 2  # the GELU after the pair is not fused by ORT
     fused, first, second = _apply(DequantizedGeluPass(), model)
     assert (first, second) == (True, False)
     ops = [n.op_type for n in _body_nodes(fused)]
@@ -494,7 +495,7 @@ def test_a_gelu_that_reads_a_dequantize_becomes_orts_gelu_in_bodies_too():
     assert {(n.domain, n.input[0]) for n in _body_nodes(fused) if n.op_type == "Gelu"} == {
         ("com.microsoft", "then_xd"), ("com.microsoft", "else_xd")}
     assert {o.domain: o.version for o in fused.opset_import}["com.microsoft"] == 1
-    assert "Erf" not in _ort_optimised_ops(fused)
+    assert "Erf" not in ort_optimised_ops(fused)
     onnx.checker.check_model(fused, full_check=True)
     x = RNG.standard_normal((2, 64)).astype(np.float32) * 2
     for flag in (True, False):  # the same erf GELU, possibly a last bit apart
@@ -535,7 +536,7 @@ def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
     # as the exporter runs them: the bias takes the input's rank first, which keeps ORT from fusing it
     model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 32]))
     ranked = _apply(LinearBiasRankPass(), model)[0]
-    assert "BiasGelu" not in _ort_optimised_ops(ranked)
+    assert "BiasGelu" not in ort_optimised_ops(ranked)
     fused, first, second = _apply(BiasGeluPass(), ranked)
     assert (first, second) == (True, False)
     onnx.checker.check_model(fused, full_check=True)
@@ -545,7 +546,7 @@ def test_a_gelu_after_a_quantized_linears_bias_becomes_orts_bias_gelu(tmp_path):
     bodies = [a.g for node in fused.graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
     biases = {t.name: list(t.dims) for g in (fused.graph, *bodies) for t in g.initializer}
     assert all(biases[n.input[1]] == [16] for n in _body_nodes(fused) if n.op_type == "BiasGelu")  # 1-D, as it must be
-    optimised = _ort_optimised_ops(fused)
+    optimised = ort_optimised_ops(fused)
     assert optimised.count("MatMulIntegerToFloat") == 2 and optimised.count("BiasGelu") == 2, optimised
     for flag in (True, False):  # the same erf GELU of the same sum, possibly a last bit apart
         feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
@@ -567,36 +568,20 @@ def test_a_tanh_gelu_after_a_quantized_linears_bias_becomes_orts_fast_gelu_with_
              _c("k", np.float32(np.sqrt(2 / np.pi))), _c("one", np.float32(1)), *_linear_inits()]
     model = onnx.shape_inference.infer_shapes(_if_model(body, inits, [1, 6, 16], [1, 6, 32]))
     ranked = _apply(LinearBiasRankPass(), model)[0]
-    assert _ort_optimised_ops(ranked).count("Add") >= 2  # ORT fuses FastGelu but leaves each rank-3 bias an Add
+    assert ort_optimised_ops(ranked).count("Add") >= 2  # ORT fuses FastGelu but leaves each rank-3 bias an Add
     fused, first, second = _apply(BiasFastGeluPass(), ranked)
     assert (first, second) == (True, False)
     onnx.checker.check_model(fused, full_check=True)
     ops = [n.op_type for n in _body_nodes(fused)]
     assert ops.count("FastGelu") == 2 and ops.count("Tanh") == 2 and ops.count("Pow") == 2, ops  # x + x's GELU stays
     assert all(n.domain == "com.microsoft" and len(n.input) == 2 for n in _body_nodes(fused) if n.op_type == "FastGelu")
-    optimised = _ort_optimised_ops(fused)
+    optimised = ort_optimised_ops(fused)
     assert optimised.count("MatMulIntegerToFloat") == 2 and optimised.count("FastGelu") == 4, optimised
-    assert optimised.count("Add") == _ort_optimised_ops(ranked).count("Add") - 2, optimised  # both biases gone
+    assert optimised.count("Add") == ort_optimised_ops(ranked).count("Add") - 2, optimised  # both biases gone
     for flag in (True, False):  # the same tanh GELU of the same sum, possibly last bits apart
         feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
         np.testing.assert_allclose(run(fused, feeds, optimized=False)[0], run(ranked, feeds, optimized=False)[0],
                                    rtol=1e-5, atol=1e-5)  # FastGelu's tanh is MLAS's own approximation, per ISA
-
-
-def _ort_optimised_ops(model: onnx.ModelProto) -> list[str]:
-    """The op types of ONNX Runtime's optimised graph, bodies included."""
-    import tempfile
-
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as scratch:
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        options.optimized_model_filepath = f"{scratch}/optimised.onnx"
-        options.log_severity_level = 3
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        optimised = onnx.load(options.optimized_model_filepath)
-    return [n.op_type for n in optimised.graph.node] + [n.op_type for n in _body_nodes(optimised)]
 
 
 def test_rsqrt_becomes_a_division_that_ort_fuses_as_an_rmsnorm_in_bodies_too():
@@ -623,8 +608,8 @@ def test_rsqrt_becomes_a_division_that_ort_fuses_as_an_rmsnorm_in_bodies_too():
         feeds = {"x": RNG.standard_normal((2, 8, 64)).astype(np.float32), "flag": np.array(flag)}
         np.testing.assert_allclose(run(divided, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0],
                                    rtol=1e-6, atol=1e-7)
-    fused = _ort_optimised_ops(divided)
-    assert fused.count("SimplifiedLayerNormalization") == 2 and _ort_optimised_ops(model).count("Reciprocal") == 2
+    fused = ort_optimised_ops(divided)
+    assert fused.count("SimplifiedLayerNormalization") == 2 and ort_optimised_ops(model).count("Reciprocal") == 2
 
 
 def test_pipeline_refuses_an_identical_outputs_step_after_a_last_bit_one(tmp_path):
@@ -887,7 +872,7 @@ def test_a_linears_bias_rides_on_the_next_constant_shift_through_a_residual_and_
     onnx.checker.check_model(folded, full_check=True)
     before, after = [n.op_type for n in _body_nodes(model)], [n.op_type for n in _body_nodes(folded)]
     assert after.count("Add") == before.count("Add") - 2 and after.count("Mul") == before.count("Mul")  # one per branch
-    assert _ort_optimised_ops(folded).count("Add") == _ort_optimised_ops(model).count("Add") - 2
+    assert ort_optimised_ops(folded).count("Add") == ort_optimised_ops(model).count("Add") - 2
     for flag in (True, False):  # the same sums in another order: within a few units in the last place of the outputs
         feeds = {"x": RNG.standard_normal((1 if batch == 1 else 3, 6, 16)).astype(np.float32), "flag": np.array(flag)}
         got, want = run(folded, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0]
@@ -920,7 +905,7 @@ def test_a_linears_bias_and_residual_before_a_layer_norm_become_one_skip_layer_n
     assert ops.count("SkipLayerNormalization") == 2 and ops.count("LayerNormalization") == 4, ops  # one per branch
     assert all(n.domain == "com.microsoft" and len(n.input) == 5 for n in _body_nodes(fused) if n.op_type == "SkipLayerNormalization")
     # ORT fused the residual and the norm itself, but not the rank-3 bias: one Add per branch fewer
-    assert _ort_optimised_ops(fused).count("Add") == _ort_optimised_ops(model).count("Add") - 2
+    assert ort_optimised_ops(fused).count("Add") == ort_optimised_ops(model).count("Add") - 2
     for flag in (True, False):  # the same sum and norm, the terms added in the kernel's order
         feeds = {"x": RNG.standard_normal((1, 6, 16)).astype(np.float32), "flag": np.array(flag)}
         got, want = run(fused, feeds, optimized=False)[0], run(model, feeds, optimized=False)[0]
@@ -967,8 +952,8 @@ def test_a_relu_between_two_weight_only_matmuls_becomes_max_and_ort_then_fuses_b
     onnx.checker.check_model(rewritten, full_check=True)
     assert [n.op_type for n in rewritten.graph.node].count("Relu") == 2  # the two left alone
     # ONNX Runtime left the first product dequantized on every run; past the Max it fuses both
-    assert _ort_optimised_ops(model).count("MatMulNBits") == 1
-    assert _ort_optimised_ops(rewritten).count("MatMulNBits") == 2
+    assert ort_optimised_ops(model).count("MatMulNBits") == 1
+    assert ort_optimised_ops(rewritten).count("MatMulNBits") == 2
     x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
     for got, want in zip(run(rewritten, {"x": x}, optimized=False), run(model, {"x": x}, optimized=False)):
         np.testing.assert_array_equal(got, want)  # ReLU's values, every one
