@@ -574,8 +574,8 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
         steps.append(Step("int4 experts as ONNX Runtime's QMoE", QMoEPass(accuracy_level=4), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
-    # last: the fusions match torch.onnx's own attention patterns, and the intermediate shapes
-    # that prove a swap are all recorded only after onnxslim's shape inference
+    # last: the fusions match torch.onnx's own attention patterns, and placed before onnxslim the
+    # pass found none of a Whisper decoder's (their targets not yet in the form it reads)
     steps.append(Step("swap a key's last two axes with one Transpose", SwapLastAxesPass(), Structural))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
     return steps
