@@ -574,8 +574,9 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
         steps.append(Step("int4 experts as ONNX Runtime's QMoE", QMoEPass(accuracy_level=4), OnFile))
     else:
         steps.append(Step("optimise with onnxslim (weights lifted out)", OnnxSlimPass(lift_larger_than=1 << 16), LastBit))
-    # last: the fusions match torch.onnx's own attention patterns, and placed before onnxslim the
-    # pass found none of a Whisper decoder's (their targets not yet in the form it reads)
+    # last: the fusions match torch.onnx's own attention patterns; and where onnxslim has written
+    # the shapes and folded the targets (before it, a first version of the pass found none of a
+    # Whisper decoder's: the intermediate shapes it then read were not recorded)
     steps.append(Step("swap a key's last two axes with one Transpose", SwapLastAxesPass(), Structural))
     steps.append(Step("drop unused opset imports", RemoveUnusedOpsetsPass(), Structural))
     return steps
