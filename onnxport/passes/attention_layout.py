@@ -66,10 +66,6 @@ def _drop_value_if_unread(value: ir.Value) -> None:
         _drop_if_unread(value.producer())
 
 
-#: a dim of the tensor a shape is computed from, by its axis
-_Axis = tuple[str, int]
-
-
 def _shape_entries(value: ir.Value | None, source: ir.Value, rank: int, depth: int = 0) -> list | None:
     """The entries of a 1-D shape tensor, each an integer or ``("axis", k)`` (dim ``k`` of
     ``source``), as far as constants and ``Shape(source)``, ``Slice`` and ``Concat`` compute them —
@@ -215,9 +211,7 @@ class MhaCacheLayoutPass(ir.passes.InPlacePass):
             old = [node.inputs[1].producer(), node.inputs[2].producer()]
             node.replace_input_with(1, key)
             node.replace_input_with(2, value)
-            for reshape in old:
-                transpose = reshape.inputs[0].producer() if reshape is not None else None
+            for reshape in old:  # and the Transpose before it, once nothing reads them
                 _drop_if_unread(reshape)
-                _drop_if_unread(transpose)
             modified = True
         return ir.passes.PassResult(model, modified)
