@@ -11,8 +11,10 @@ one process:
   batches; with and without ``reduce_range``), and ``quantize_dynamic`` for text models;
 * latency interleaved (:func:`onnxport.runtime.interleaved_ms`: fresh sessions, rotating order, a
   speed-up is the median of the rounds' own ratios to FP32);
-* ours / ORT's best, the ops ORT runs in INT8 in our file, what ``qdq_report`` names as float in
-  it, and our file's cosine with its pt2e model as deployed against the model's one-ulp floor.
+* ours / ORT's best static file (the issue's goal) and ours / ORT's best of any kind, each the
+  median of the rounds' own ratios between the two files; the ops ORT runs in INT8 in our file,
+  what ``qdq_report`` names as float in it, and our file's cosine with its pt2e model as deployed
+  against the model's one-ulp floor.
 
     python -m bench sweep
     python -m bench sweep --families ModernBert,ViT     # only these families (--text: every text family)
@@ -164,6 +166,27 @@ def _runs_for(fp32: Path, sample, round_ms: float) -> int:
     return max(6, min(200, round(round_ms / max(each, 1e-3))))
 
 
+def _pairwise(rounds: dict[str, dict[int, list[float]]], speedup: dict[str, float]) -> dict[str, float]:
+    """Ours against ORT's best option of each kind, as the median of the rounds' own ratios
+    (ORT's milliseconds / ours in the same round).
+
+    A ratio of two speed-ups (each a median of ratios to FP32) carries both files' noise against a
+    third; on the 1-2 ms text files it put ModernBERT's dynamic file at 0.95 of ORT's in two sweeps
+    where their optimised graphs ran the same kernels, and 100-run rounds side by side gave 1.00.
+    """
+    pairs = {"ours_vs_ort_static": ("ours", ("ort_static", "ort_static_rr")),
+             "ours_vs_ort_best": ("ours", tuple(k for k in speedup if k.startswith("ort_"))),
+             "ours_dynamic_vs_ort_dynamic": ("ours_dynamic", ("ort_dynamic", "ort_dynamic_rr"))}
+    found = {}
+    for key, (ours, options) in pairs.items():
+        options = tuple(o for o in options if o in speedup and o in rounds)
+        if ours not in rounds or not options:
+            continue
+        best = max(options, key=speedup.__getitem__)
+        found[key] = statistics.median(o / u for o, u in zip(rounds[best][1], rounds[ours][1]))
+    return found
+
+
 def _one(entry, out: Path, config: Config) -> dict:
     import torch
 
@@ -221,6 +244,7 @@ def _one(entry, out: Path, config: Config) -> dict:
     best = max(ort, key=ort.get) if ort else None
     result["ort_best"] = best
     result["ours_vs_ort_best"] = result["speedup"]["ours"] / ort[best] if best else None
+    result["pairwise"] = _pairwise(rounds, result["speedup"])
     if best:  # what ORT runs in INT8 in its own best file, beside ours
         from onnxport.inspection.stats import ort_int8_counts
 
@@ -265,22 +289,32 @@ def _short(reasons: list[str]) -> list[str]:
     return [reason.split(",")[0] for reason in reasons]
 
 
+def _ours_vs_ort(e: dict) -> tuple[float | None, float | None]:
+    """Ours against ORT's best file and its best static file: the rounds' own ratios where the run
+    kept them, a ratio of speed-ups in results files from before."""
+    pairwise, speed = e.get("pairwise", {}), e["speedup"]
+    static = [speed[k] for k in ("ort_static", "ort_static_rr") if k in speed]
+    return (pairwise.get("ours_vs_ort_best", e["ours_vs_ort_best"]),
+            pairwise.get("ours_vs_ort_static", speed["ours"] / max(static) if static else None))
+
+
 def report(results: dict) -> str:
     rows, below = [], []
     for name, e in results.items():
         if name.startswith("_"):
             continue
         if "error" in e:
-            rows.append([name, f"failed: {e['error'][:90]}", *[""] * 6])
+            rows.append([name, f"failed: {e['error'][:90]}", *[""] * 7])
             continue
         best = e["ort_best"]
-        ratio = e["ours_vs_ort_best"]
         ours = e["speedup"]["ours"]
         floor = e["ours"]["rounding_floor"]
-        if ratio is not None and (ratio < 0.95 or (ours < 1.0 <= e["speedup"][best])):
+        ratio, static = _ours_vs_ort(e)
+        if (static is not None and static < 0.97) or (best and ours < 1.0 <= e["speedup"][best]):
             below.append(name)
         rows.append([
-            name, f"{ours:.2f}x", f"{e['speedup'][best]:.2f}x ({best.removeprefix('ort_')})", f"{ratio:.2f}",
+            name, f"{ours:.2f}x", f"{e['speedup'][best]:.2f}x ({best.removeprefix('ort_')})",
+            f"{static:.2f}" if static is not None else "", f"{ratio:.2f}" if ratio is not None else "",
             f"{e['ours']['cosine']:.5f} ({min(floor):.5f}–{max(floor):.5f})"
             + ("" if e["ours"]["within_floor"] else " BELOW 2x floor"),
             ", ".join(f"{op} {c}" for op, c in e["ours"]["ort_int8"].items()),
@@ -289,13 +323,15 @@ def report(results: dict) -> str:
                        *(f"{k} ({n})" for k, n in e["ours"].get("costlier_than_float", {}).items())])])
     unfaithful = [n for n, e in results.items() if not n.startswith("_") and "ours" in e and not e["ours"]["within_floor"]]
     main = table(
-        ["model", "ours", "ORT best (which)", "ours / ORT best", "cosine as deployed (floor min–max)", "INT8 in ORT: ours",
+        ["model", "ours", "ORT best (which)", "ours / ORT static", "ours / ORT best", "cosine as deployed (floor min–max)",
+         "INT8 in ORT: ours",
          "ORT best's", "float or costlier than float in our file (qdq_report)"], rows,
         title=[("The sweep on ONNX Runtime (CPU), batch 1, fixed shapes: x = FP32 latency / file latency (median of the "
                "rounds' ratios);"),
-               "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr').",
+               "ORT's best of quantize_static and quantize_dynamic (text), each with and without reduce_range ('rr');",
+               "ours / ORT static (the goal, >= 0.97) and ours / ORT best: the rounds' own ratios to ORT's best option.",
                f"CPU: {results.get('_isa', 'see the run results file')}; {results.get('_rounds', 8)} rounds"],
-        notes=[f"Below 0.95x ORT's best (or below FP32 where ORT is not): {', '.join(below) or 'none'}",
+        notes=[f"Below 0.97x ORT's best static file (or below FP32 where ORT is not): {', '.join(below) or 'none'}",
                f"Beyond twice the model's rounding floor as deployed: {', '.join(unfaithful) or 'none'}"])
     dynamic = dynamic_report(results)
     return main + ("\n\n" + dynamic if dynamic else "")
@@ -312,7 +348,8 @@ def dynamic_report(results: dict) -> str:
         speed = e["speedup"]
         ort = {k: speed[k] for k in ("ort_dynamic", "ort_dynamic_rr") if k in speed}
         best = max(ort, key=ort.__getitem__) if ort else None
-        ratio = speed["ours_dynamic"] / ort[best] if best else None
+        ratio = e.get("pairwise", {}).get("ours_dynamic_vs_ort_dynamic",
+                                          speed["ours_dynamic"] / ort[best] if best else None)
         if ratio is not None and ratio < 1.0:
             below.append(name)
         d = e["ours_dynamic"]
