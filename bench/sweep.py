@@ -14,7 +14,10 @@ one process:
 * ours / ORT's best static file (the issue's goal) and ours / ORT's best of any kind, each the
   median of the rounds' own ratios between the two files; the ops ORT runs in INT8 in our file,
   what ``qdq_report`` names as float in it, and our file's cosine with its pt2e model as deployed
-  against the model's one-ulp floor.
+  against the model's one-ulp floor;
+* text models: the dynamic file against ``quantize_dynamic``'s, the dynamic file timed a second time
+  as its own control (how far two equal files land apart in the same rounds), and the operators
+  ONNX Runtime runs in one of the two files and not in the other.
 
     python -m bench sweep
     python -m bench sweep --families ModernBert,ViT     # only these families (--text: every text family)
@@ -190,6 +193,16 @@ def _pairwise(rounds: dict[str, dict[int, list[float]]], speedup: dict[str, floa
     return found
 
 
+def _op_difference(ours: Path, theirs: Path) -> dict[str, dict[str, int]]:
+    """The operators ONNX Runtime runs (its optimised graph) in one file and not the other:
+    ``{"ours_only": {op: n}, "ort_only": {op: n}}``. Empty on both sides, the two files run the
+    same kernels, and a difference in their speed is the machine's."""
+    from onnxport.inspection.stats import ort_optimised_ops
+
+    a, b = ort_optimised_ops(ours), ort_optimised_ops(theirs)
+    return {"ours_only": dict(a - b), "ort_only": dict(b - a)}
+
+
 def _one(entry, out: Path, config: Config) -> dict:
     import torch
 
@@ -239,6 +252,8 @@ def _one(entry, out: Path, config: Config) -> dict:
             except Exception as error:  # noqa: BLE001 — ORT's quantizer failing is a result of the sweep
                 result[name] = {"error": f"{type(error).__name__}: {error}"[:200]}
     result["seconds_ort"] = time.perf_counter() - start
+    if "ours_dynamic" in files and "ort_dynamic" in files:
+        result["dynamic_ops"] = _op_difference(files["ours_dynamic"], files["ort_dynamic"])
     start = time.perf_counter()
     with torch.no_grad():
         runs = _runs_for(files["fp32"], sample.numpy(), config.round_ms)
@@ -343,6 +358,13 @@ def report(results: dict) -> str:
     return main + ("\n\n" + dynamic if dynamic else "")
 
 
+def _ops_text(difference: dict | None) -> str:
+    if difference is None:
+        return ""
+    side = lambda ops: ", ".join(f"{op} {n}" for op, n in sorted(ops.items())) or "—"
+    return f"{side(difference['ours_only'])} / {side(difference['ort_only'])}"
+
+
 def dynamic_report(results: dict) -> str:
     """The dynamic scheme (``Quantizer(activations='dynamic')``) against ORT's ``quantize_dynamic``
     (the better of its default and ``reduce_range``), text families only ('' when none ran)."""
@@ -365,10 +387,11 @@ def dynamic_report(results: dict) -> str:
         rows.append([name, f"{speed['ours_dynamic']:.2f}x",
                      f"{ort[best]:.2f}x ({best.removeprefix('ort_')})" if best else "failed",
                      f"{ratio:.2f}" if ratio is not None else "", f"{itself:.2f}" if itself is not None else "",
+                     _ops_text(e.get("dynamic_ops")),
                      f"{d['cosine']:.5f} ({min(d['rounding_floor']):.5f}–{max(d['rounding_floor']):.5f})"
                      + ("" if d["within_floor"] else " BELOW 2x floor")])
     return table(["model", "ours dynamic", "ORT quantize_dynamic (which)", "ours / ORT's", "same file / itself",
-                  "cosine as deployed (floor min–max)"], rows,
+                  "ORT runs only in ours / only in ORT's", "cosine as deployed (floor min–max)"], rows,
                  title=[("Dynamic INT8 (no calibration): ours = Quantizer(activations='dynamic') + export_qdq; ORT's = "
                          "quantize_dynamic, the better of default and reduce_range."),
                         ("ours / ORT's: the rounds' own ratios; same file / itself: our file timed again under another "

@@ -112,3 +112,29 @@ def test_the_runner_refuses_a_flag_no_chosen_benchmark_takes_before_anything_run
     stored = max((ROOT / "bench" / "results").glob("*-seq2seq.json"))
     again = bench("--tables", str(stored))
     assert again.returncode == 0 and "| model" in again.stdout and "Encoder-decoder generation" in again.stdout
+
+
+def test_the_sweep_compares_files_round_by_round_and_calls_a_family_below_only_beyond_its_own_spread():
+    from bench.sweep import SAME, _pairwise, dynamic_report
+
+    # the machine drifts by 2x across rounds; ORT's file is 5 % faster in every round
+    drift = [1.0, 2.0, 1.0, 2.0, 1.5]
+    ms = lambda factor: {1: [d * factor for d in drift]}
+    rounds = {"fp32": ms(2.0), "ours": ms(1.0), "ours_dynamic": ms(1.0), SAME: ms(1.01),
+              "ort_static": ms(1.1), "ort_dynamic": ms(0.95), "ort_dynamic_rr": ms(1.2)}
+    speedup = {"fp32": 1.0, "ours": 2.0, "ours_dynamic": 2.0, SAME: 1.98, "ort_static": 1.82, "ort_dynamic": 2.1,
+               "ort_dynamic_rr": 1.67}
+    pairs = _pairwise(rounds, speedup)
+    assert pairs["ours_dynamic_vs_ort_dynamic"] == pytest.approx(0.95)  # against the faster ORT file
+    assert pairs["ours_vs_ort_static"] == pytest.approx(1.1)
+    assert pairs["ours_dynamic_vs_itself"] == pytest.approx(1.01)
+
+    def row(itself: float) -> dict:
+        return {"speedup": speedup, "pairwise": {**pairs, "ours_dynamic_vs_itself": itself},
+                "ours_dynamic": {"cosine": 1.0, "rounding_floor": [1.0], "within_floor": True},
+                "dynamic_ops": {"ours_only": {}, "ort_only": {"DequantizeLinear": 1}}}
+
+    below = lambda text: text.splitlines()[-1]
+    assert below(dynamic_report({"Bert": row(1.01)})).endswith(": Bert")  # 5 % below, the file moves 1 %
+    assert below(dynamic_report({"Bert": row(0.94)})).endswith(": none")  # the file moved as far from itself
+    assert "— / DequantizeLinear 1" in dynamic_report({"Bert": row(1.0)})
