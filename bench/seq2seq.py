@@ -18,6 +18,10 @@ decoding alone — the time of 32 new tokens less that of 8, so the encoder and 
 out, whatever the runner does inside. int4 files' tokens are compared with our int4 file's (they
 are held to the torchao model, not the float one); every other runner's with PyTorch eager's.
 
+Beside them, each fp32 file's batch-1 step against the machine's memory: one step (16 cached
+tokens) and one ONNX Runtime ``MatMul`` reading as many bytes (every weight and the cache),
+alternating; at batch 1 a step is bound by memory, so no fp32 file can go much below that floor.
+
 Optimum needs its own environment (its pins conflict with ours): ``--optimum-python`` names a
 Python with ``optimum-onnx`` (or ``optimum[onnxruntime]``) and ``onnxruntime``; ``--genai-python``
 one with ``onnxruntime-genai``. Without them those columns are skipped. ``--models t5,whisper``
@@ -157,6 +161,61 @@ def _timed(python: str, kind: str, folder: Path, batch: int, prompt: list[int] |
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _memory_floor(folder: Path, source: int, rounds: int = 7) -> dict:
+    """One batch-1 decoder step (16 cached tokens) against one ONNX Runtime ``MatMul`` reading as
+    many bytes as the step must: every weight once and the cache. At batch 1 a step is bound by
+    memory, so the ratio says how close the file comes to what the machine allows (rounds
+    alternate the two; the ratio is the median of the rounds' own)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from onnxport.llm.names import DECODER_FILE
+    from onnxport.runtime import make_session
+
+    proto = onnx.load(str(folder / DECODER_FILE), load_external_data=False)
+    weights = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                  for t in proto.graph.initializer)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    step = make_session(folder / DECODER_FILE, session_options=options)
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for value in step.get_inputs():
+        lengths = {2: 16 if ".decoder." in value.name else source} if value.name.startswith("past_key_values") else {}
+        shape = [d if isinstance(d, int) else lengths.get(i, source if i == 1 and "mask" in value.name else 1)
+                 for i, d in enumerate(value.shape)]
+        feeds[value.name] = (np.ones(shape, np.int64) if value.type == "tensor(int64)"
+                             else rng.standard_normal(shape).astype(np.float32))
+    cache = sum(a.nbytes for a in feeds.values() if a.dtype == np.float32)
+    columns = (weights + cache) // 4 // 512
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "floor",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 512])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, columns])],
+        [onnx.numpy_helper.from_array(rng.standard_normal((512, columns)).astype(np.float32), "w")])
+    reader = make_session(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+                          .SerializeToString(), session_options=options)
+    one = {"x": np.ones((1, 512), np.float32)}
+
+    def ms(session, feed) -> float:
+        for _ in range(10):
+            session.run(None, feed)
+        times = []
+        for _ in range(40):
+            start = time.perf_counter()
+            session.run(None, feed)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    steps, floors = [], []
+    for _ in range(rounds):
+        steps.append(ms(step, feeds))
+        floors.append(ms(reader, one))
+    return {"bytes": weights + cache, "weights_bytes": weights, "step_ms": statistics.median(steps),
+            "floor_ms": statistics.median(floors), "ratio": statistics.median(a / b for a, b in zip(steps, floors))}
+
+
 @dataclass(frozen=True)
 class Config:
     """What one run measures.
@@ -236,6 +295,8 @@ def _one(name: str, shape: dict, scratch: Path, config: Config) -> dict:
         ours = scratch / f"ours-{flavour}-{precision}"
         figures = _export(folder, ours, flavour, precision)
         results[f"export {label}"] = {"seconds": figures["seconds"], "peak_vs_weights": figures["peak"] / weights}
+        if precision == "fp32":
+            results[f"floor {label}"] = _memory_floor(ours, 1500 if prompt else SOURCE)
         runners[f"ours {label}"] = ("ours", sys.executable, ours)
         if genai and prompt and (ours / "genai_config.json").is_file():
             runners[f"onnxruntime-genai, our {label} folder"] = ("genai", genai, ours)
@@ -306,6 +367,12 @@ def report(results: dict) -> str:
                 peak = (f", peak memory above the libraries' {figures['peak_vs_weights']:.1f}x the float weights "
                         f"({entry['weights_bytes'] / 1e6:.0f} MB)" if "peak_vs_weights" in figures else "")
                 notes.append(f"{model}: {name}: {figures['seconds']:.0f} s{peak}")
+        for name in ("floor portable", "floor ort-cpu"):
+            if name in entry:
+                f = entry[name]
+                notes.append(f"{model}: a batch-1 step of ours {name.removeprefix('floor ')} (16 cached tokens) "
+                             f"{f['step_ms']:.2f} ms = {f['ratio']:.2f}x one ONNX Runtime MatMul reading its "
+                             f"{f['bytes'] / 1e6:.0f} MB of weights and cache ({f['floor_ms']:.2f} ms)")
         if "optimum_error" in entry:
             notes.append(f"{model}: Optimum's export failed: {entry['optimum_error']}")
     return table(["model", "batch", "runner", "new tokens/s, end to end", "decode tokens/s", "same tokens"], rows,
