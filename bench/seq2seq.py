@@ -171,17 +171,17 @@ def _memory_floor(folder: Path, source: int, rounds: int = 7) -> dict:
     import onnxruntime as ort
 
     from onnxport.llm.names import DECODER_FILE
-    from onnxport.runtime import make_session
+    from onnxport.runtime import ONNXModel
 
     proto = onnx.load(str(folder / DECODER_FILE), load_external_data=False)
     weights = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                   for t in proto.graph.initializer)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    step = make_session(folder / DECODER_FILE, session_options=options)
+    step = ONNXModel(folder / DECODER_FILE, session_options=options)
     rng = np.random.default_rng(0)
     feeds = {}
-    for value in step.get_inputs():
+    for value in step.session.get_inputs():
         lengths = {2: 16 if ".decoder." in value.name else source} if value.name.startswith("past_key_values") else {}
         shape = [d if isinstance(d, int) else lengths.get(i, source if i == 1 and "mask" in value.name else 1)
                  for i, d in enumerate(value.shape)]
@@ -194,24 +194,14 @@ def _memory_floor(folder: Path, source: int, rounds: int = 7) -> dict:
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 512])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, columns])],
         [onnx.numpy_helper.from_array(rng.standard_normal((512, columns)).astype(np.float32), "w")])
-    reader = make_session(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
-                          .SerializeToString(), session_options=options)
-    one = {"x": np.ones((1, 512), np.float32)}
-
-    def ms(session, feed) -> float:
-        for _ in range(10):
-            session.run(None, feed)
-        times = []
-        for _ in range(40):
-            start = time.perf_counter()
-            session.run(None, feed)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
-
+    with tempfile.TemporaryDirectory() as scratch:
+        onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)]), f"{scratch}/floor.onnx")
+        reader = ONNXModel(f"{scratch}/floor.onnx", session_options=options)
+    x = np.ones((1, 512), np.float32)
     steps, floors = [], []
     for _ in range(rounds):
-        steps.append(ms(step, feeds))
-        floors.append(ms(reader, one))
+        steps.append(step.latency_ms(repeat=40, warmup=10, **feeds))
+        floors.append(reader.latency_ms(x, repeat=40, warmup=10))
     return {"bytes": weights + cache, "weights_bytes": weights, "step_ms": statistics.median(steps),
             "floor_ms": statistics.median(floors), "ratio": statistics.median(a / b for a, b in zip(steps, floors))}
 
