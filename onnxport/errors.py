@@ -66,4 +66,6 @@ class WeakerCheckWarning(OnnxportWarning):
 
 class VacuousCheckWarning(OnnxportWarning):
     """A check that cannot fail on this input: the reference gives (nearly) one output, or one
-    class, for every sample, so any file that computes that one value agrees with it."""
+    class, for every sample, so any file that computes that one value agrees with it; or a float
+    proof whose floor is so wide (the model's float32 outputs underflow or cancel) that a file
+    of zeros would pass."""

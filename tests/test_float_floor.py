@@ -8,6 +8,7 @@ the model and the CPU at hand set; the planted defects are ones an exporter or a
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from onnxport import compare_onnx, export_onnx, verify_onnx
 from onnxport.compare.exported import FLOAT_FLOOR_MULTIPLE
-from onnxport.errors import InvalidArgumentError, WeakerCheckWarning
+from onnxport.errors import InvalidArgumentError, VacuousCheckWarning, WeakerCheckWarning
 from tests.models import ResNet18, TinyTransformer, with_statistics
 
 
@@ -84,6 +85,31 @@ def test_the_floor_sees_a_defect_a_fixed_tolerance_lets_through(tmp_path):
     path = _file_of(_broken(model, _tanh_gelu), tokens, tmp_path / "tanh.onnx")
     assert verify_onnx(model, path, tokens)  # the fixed tolerance calls the wrong file right
     assert not verify_onnx(model, path, tokens, rounding_floor=True)
+
+
+class _Vanishing(nn.Module):
+    """Outputs of order 1e-50: in float64, but below float32's smallest subnormal, so its float32 run gives 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 1e-30 * 1e-20
+
+
+def test_a_floor_an_all_zero_file_would_pass_is_said_to_prove_nothing(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Vanishing().eval(), torch.randn(3, 4)
+    with pytest.warns(VacuousCheckWarning, match="'output'.*outputs zeros"):
+        report = compare_onnx(model, _file_of(model, x, tmp_path / "vanishing.onnx"), x, rounding_floor=True)
+    assert report.outputs[0].float_floor == pytest.approx(1.0) and "all-zero output would pass" in str(report)
+    # a model whose float32 run keeps its outputs is proven without the warning
+    model, tokens = TinyTransformer().eval(), torch.randint(0, 100, (4, 16))
+    path = _file_of(model, tokens, tmp_path / "kept.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VacuousCheckWarning)
+        assert compare_onnx(model, path, tokens, rounding_floor=True).passed
 
 
 class _Float32Only(nn.Module):

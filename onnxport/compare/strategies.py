@@ -7,13 +7,14 @@ way a tolerance can be looser for one output than for the rest.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, VacuousCheckWarning
 from ..rounding import cosine
 from .report import FAITHFUL_COSINE, OutputResult, Report
 from .results import RunResults
@@ -223,10 +224,28 @@ def compare_runs(
             figures = _with(figures, rounding_floor=tuple(floors[name]))
         if float_floors is not None and name in float_floors:
             figures = _with(figures, float_floor=float(float_floors[name]), float_distance=relative_distance(a, b))
+            if isinstance(judge, WithinFloatFloor) and _admits_zeros(judge, figures, b):
+                figures = _with(figures, note="an all-zero output would pass: the model's float32 run is this far off")
+                warnings.warn(
+                    f"The float proof of output {name!r} cannot fail for a file that outputs zeros: the model's own "
+                    f"float32 run is {figures.float_floor:.3g} (relative) from its float64 run and the proof allows "
+                    f"{judge.multiple:g} times that. The model's float32 outputs underflow or cancel on this input "
+                    "(random weights whose activations vanish do this); prove the file with trained weights, or "
+                    "inputs that keep the outputs within float32's range.",
+                    VacuousCheckWarning,
+                    stacklevel=2,
+                )
         verdict = judge.judge(a, b, figures)
         results.append(_with(figures, passed=verdict, criterion=judge.describe()))
     described = strategy.describe() + (f"; {', '.join(f'{n}: {s.describe()}' for n, s in per_output.items())}" if per_output else "")
     return Report(tuple(results), described, reference.n_samples, (got.runner, reference.runner), strategy.tolerances())
+
+
+def _admits_zeros(strategy: WithinFloatFloor, figures: OutputResult, ref: np.ndarray) -> bool:
+    # An all-zero file is at relative distance exactly 1 from any non-zero reference.
+    floor = figures.float_floor
+    return (floor is not None and np.issubdtype(ref.dtype, np.floating) and bool(np.any(ref))
+            and strategy.multiple * floor >= 1.0)
 
 
 def _with(result: OutputResult, **changes: Any) -> OutputResult:
