@@ -77,6 +77,9 @@ class ExportPlan:
         rules: the written file's own checks, run before ONNX Runtime's default-level runs.
         on_default_run: given those runs' outputs and ONNX Runtime's optimised graph.
         before_write: reads the final graph before it is written (what was fused, …).
+        after_write: called once the file is written, before it is proven: an exporter that owns
+            the model its capture read gives the weights back here, so the proofs' ONNX Runtime
+            sessions do not sit beside them.
         metadata: ``metadata_props`` the file carries.
         external_data: ``None`` decides by size; ``True``/``False`` force it.
     """
@@ -93,6 +96,7 @@ class ExportPlan:
     rules: Sequence[Callable[[Path], None]] = ()
     on_default_run: Callable[[list[list[np.ndarray]], Path], None] | None = None
     before_write: Callable[[ir.Model], None] | None = None
+    after_write: Callable[[], None] | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)
     external_data: bool | None = None
 
@@ -139,6 +143,8 @@ def run_plan(plan: ExportPlan, output_path: str | os.PathLike) -> PlanResult:
             pipeline.write(graph, staged, external_data=plan.external_data)
             del graph
             log.info("%s: wrote %s (%.1f MB)", plan.name, target.name, staged.stat().st_size / 1e6)
+            if plan.after_write is not None:
+                plan.after_write()
             bar.update()
             pipeline.prove_file(staged, opset=plan.opset, rules=plan.rules, on_default_run=plan.on_default_run)
             bar.update()
@@ -220,9 +226,8 @@ def share_weights(stage: str | os.PathLike, owner: str, reader: str, *, min_byte
             tensor = value.const_value
             if tensor is None or tensor.nbytes < min_bytes:
                 continue
-            mine = tensor.tobytes()
             found = candidates.get((tensor.dtype, tuple(tensor.shape)), [])
-            match = next((owned_name for owned_name, other in found if other.tobytes() == mine), None)
+            match = next((owned_name for owned_name, other in found if _same_bytes(tensor, other)), None)
             if match is not None:
                 matches[name] = match
     if not matches:
@@ -325,9 +330,33 @@ def _differs(before: Path, after: Path) -> str | None:
     for graph in old.graphs():
         for name, value in graph.initializers.items():
             tensor, other = value.const_value, new_tensors.get(name)
-            if (tensor is None) != (other is None) or (tensor is not None and tensor.tobytes() != other.tobytes()):
+            if (tensor is None) != (other is None) or (tensor is not None and not _same_bytes(tensor, other)):
                 return f"weight '{name}' differs"
     return None
+
+
+#: Bytes compared at once by :func:`_same_bytes`.
+_COMPARE_SLICE = 1 << 24
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    """Whether two tensors hold the same values bit for bit, compared a slice at a time, with no
+    copy of either; a tensor read from a data file is unmapped after (its pages would otherwise
+    stay in the process's memory until the model is dropped, and a 7B pair holds many gigabytes)."""
+    def compare() -> bool:  # its views of the mapped files are gone when it returns
+        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+            return False
+        x, y = (np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8) for t in (a, b))
+        return x.size == y.size and all(np.array_equal(x[i:i + _COMPARE_SLICE], y[i:i + _COMPARE_SLICE])
+                                        for i in range(0, x.size, _COMPARE_SLICE))
+
+    try:
+        return compare()
+    finally:
+        for tensor in (a, b):
+            if isinstance(tensor, ir.ExternalTensor):
+                with contextlib.suppress(BufferError):  # a view held elsewhere keeps its mapping
+                    tensor.release()
 
 
 def _remove_tree(path: Path) -> None:

@@ -99,3 +99,31 @@ def test_one_opset_validator_names_the_range(value):
     with pytest.raises(InvalidArgumentError, match="from 21 to .*int4"):
         validate_opset(18, lowest=21, why="int4 needs 21.")
     assert validate_opset(17) == 17
+
+
+def test_after_write_runs_once_the_file_is_written_and_before_its_proofs(tmp_path):
+    order: list[str] = []
+    target = tmp_path / "m.onnx"
+
+    def after_write() -> None:
+        staged = [p for p in tmp_path.rglob("m.onnx")]
+        order.append("after_write" + (" (written)" if staged and staged[0] != target else ""))
+
+    run_plan(_plan(after_write=after_write, rules=[lambda path: order.append("rule")]), target)
+    assert order == ["after_write (written)", "rule"]
+
+
+def test_dropped_weights_are_freed_where_another_holder_keeps_the_tensor():
+    # what export_seq2seq does once its files are written: a library may still hold the model's
+    # parameters (onnxscript's rewrite rules keep the last graph they matched, whose initializers
+    # wrap them), so their data must go, not only the module's references
+    import torch
+
+    from onnxport._core.torch_helpers import drop_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    model.register_buffer("table", torch.ones(8))
+    held = [model[0].weight, model.table]
+    drop_weights(model)
+    assert [t.numel() for t in held] == [0, 0]
+    assert list(model.parameters()) == [] and list(model.buffers()) == []

@@ -181,3 +181,65 @@ def test_a_model_widened_in_place_for_its_floor_comes_back_exactly_as_it_was():
     with float64_model(model) as wide:
         assert wide is not model and next(wide.parameters()).dtype == torch.float64
         assert next(model.parameters()).dtype == torch.float32
+
+
+class _ReadsItsChildsWeight(nn.Module):
+    """Reads ``fc``'s weight outside ``fc``'s own call: a one-dtype kernel then meets a float32
+    weight and float64 activations when weights are widened only while their module runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.linear(x, self.fc.weight))
+
+
+def test_a_float64_run_widens_each_module_only_while_it_runs():
+    # the floor of a model the exporter loaded: float64 results, yet at most the running modules'
+    # weights wide at once, and every tensor back bit for bit, with its dtype, identity and ties
+    from onnxport.compare.exported import float64_copy, float64_result
+
+    torch.manual_seed(1)
+    model = TinyTransformer().eval()
+    model.head = nn.Linear(model.embed.embedding_dim, model.embed.num_embeddings, bias=False)
+    model.head.weight = model.embed.weight  # tied: wide in both calls, narrow between them
+    model.head.register_buffer("scale", torch.full((model.embed.num_embeddings,), 0.5))
+    model.head.register_forward_hook(lambda m, args, out: out * m.scale)
+    tokens = torch.randint(0, 100, (2, 16))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    parameters = dict(model.named_parameters())
+    total = sum(p.numel() for p in model.parameters())
+    seen: list[tuple[bool, float]] = []  # per Linear call: its weight wide, the model's share wide
+
+    def watch(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if id(module) in ids:  # not the float64 copy's modules, which carry the hook too
+            wide = sum(p.numel() for p in model.parameters() if p.dtype == torch.float64)
+            seen.append((module.weight.dtype == torch.float64, wide / total))
+
+    ids = {id(m) for m in model.modules()}
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear) and layer is not model.head:
+            layer.register_forward_hook(watch)
+
+    def run(wide: nn.Module) -> torch.Tensor:
+        assert all(p.dtype == torch.float32 for p in wide.parameters())  # nothing wide before it runs
+        with torch.no_grad():
+            return wide(tokens)
+
+    got = float64_result(model, run, in_place=True)
+    with torch.no_grad():
+        expected = float64_copy(model)(tokens)
+    assert got.dtype == torch.float64 and torch.equal(got, expected)
+    assert seen and all(wide for wide, _ in seen) and max(share for _, share in seen) < 0.2
+    after = model.state_dict()
+    assert all(after[name].dtype == before[name].dtype and torch.equal(after[name], before[name]) for name in before)
+    assert all(p is parameters[name] for name, p in model.named_parameters()) and model.head.weight is model.embed.weight
+    # a model that reads a child's weight outside the child's call is run widened whole instead
+    reader = _ReadsItsChildsWeight().eval()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        got = float64_result(reader, lambda wide: wide(x), in_place=True)
+        assert torch.equal(got, float64_copy(reader)(x))
+    assert all(p.dtype == torch.float32 for p in reader.parameters())

@@ -52,3 +52,24 @@ def without_kv_cache(model: Any) -> Iterator[None]:
     finally:
         for config in configs.values():
             config.use_cache = True
+
+
+def drop_weights(*models: torch.nn.Module) -> None:
+    """Free the parameters and buffers of models whose every tensor the caller owns and will not
+    run again (their configs stay), and hand the memory back to the OS.
+
+    Each tensor's data is replaced by an empty one, so the memory goes even where a library still
+    holds the tensor object (onnxscript's rewrite rules keep the last graph they matched, and its
+    initializers wrap the model's parameters); the modules then hold no tensors at all.
+    """
+    from .io import release_freed_memory
+
+    for model in models:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        with contextlib.suppress(RuntimeError, TypeError):  # a tensor subclass keeps its data
+                            tensor.data = torch.empty(0, dtype=tensor.dtype)
+                    table[name] = None
+    release_freed_memory()

@@ -14,8 +14,8 @@ import contextlib
 import copy
 import os
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,8 @@ from ..errors import InvalidArgumentError, WeakerCheckWarning
 from .report import OutputResult, Report
 from .runners import onnx_batches, torch_batches
 from .strategies import ScaledAllclose, WithinFloatFloor, compare_runs, relative_distance
+
+T = TypeVar("T")
 
 #: The names compare_onnx's results had before the one comparison model; the same types now.
 ComparisonReport = Report
@@ -99,6 +101,147 @@ def float64_model(model: Any, *, in_place: bool = False) -> Iterator[Any]:
         yield model
     finally:
         _retype(model, lambda t: dtypes[narrowed[id(t)]])
+
+
+#: Widened one at a time, the largest modules holding at most this share of a model's floating
+#: weights (a transformer's layers, its embeddings): the float64 run's extra memory.
+WIDEN_UNIT_SHARE = 1 / 8
+
+
+class _NotWide(RuntimeError):
+    """A float32 tensor reached a module the float64 run widened (the model cast to a weight's
+    dtype before that weight's module ran): the run is made again with the model widened whole."""
+
+
+def float64_result(model: Any, run: Callable[[Any], T], *, in_place: bool = False) -> T | str:
+    """``run`` given ``model`` in float64, or, as a string, why the model does not run so.
+
+    Without ``in_place``, ``run`` gets a float64 copy (:func:`float64_copy`). With it, for a model
+    nobody else holds, ``run`` gets the model itself with its weights widened a unit at a time —
+    the largest modules holding at most :data:`WIDEN_UNIT_SHARE` of them (a transformer's layers)
+    — each only while it runs and narrowed back exactly after, so the run holds a unit's weights
+    twice, not the model's. Should a float32 tensor reach a unit or come out of ``run`` (the model
+    read a weight outside its module's call, or cast to its dtype), or a one-dtype kernel meet both
+    dtypes, the run is made again with the model widened whole in place (:func:`float64_model`).
+    """
+    from .._core.io import release_freed_memory
+
+    try:
+        if in_place:
+            try:
+                with _widened_per_call(model):
+                    result = run(model)
+                if _all_wide(result):
+                    return result
+            except FLOAT64_ERRORS:
+                pass  # run again widened whole: a model that cannot run in float64 fails there, saying why
+        with float64_model(model, in_place=in_place) as wide:
+            if isinstance(wide, str):
+                return wide
+            try:
+                return run(wide)
+            except FLOAT64_ERRORS as error:
+                return float64_failure(error)
+    finally:
+        # the float64 activations (30 s of audio through every layer) are freed, but glibc keeps
+        # them for reuse: the captures and proofs that follow would sit on top of them
+        release_freed_memory()
+
+
+def _all_wide(result: Any) -> bool:
+    """No float32 or float16 array or tensor anywhere in ``result`` (lists, tuples, dicts)."""
+    if isinstance(result, (list, tuple)):
+        return all(_all_wide(r) for r in result)
+    if isinstance(result, dict):
+        return all(_all_wide(r) for r in result.values())
+    dtype = getattr(result, "dtype", None)
+    if dtype is None:
+        return True
+    import torch
+
+    if isinstance(result, torch.Tensor):
+        return not result.is_floating_point() or result.dtype == torch.float64
+    return not np.issubdtype(np.dtype(dtype), np.floating) or np.dtype(dtype) == np.float64
+
+
+@contextlib.contextmanager
+def _widened_per_call(model: Any) -> Iterator[None]:
+    """The model's units (:data:`WIDEN_UNIT_SHARE`) in float64 while each runs, and, above them,
+    each module's own weights while it runs; a weight two running modules share stays wide until
+    both are done. Raises :class:`_NotWide` when a float32 tensor reaches a unit."""
+    import torch
+
+    def floating(tensors: Iterator[Any]) -> dict[int, Any]:
+        return {id(t): t for t in tensors if t is not None and t.is_floating_point()}
+
+    weights = floating(model.parameters())
+    total = sum(p.numel() for p in weights.values())
+    active: dict[int, int] = {}
+    # each weight's own data, given back when its module is done: exact, and no new memory (a
+    # model loaded from safetensors keeps viewing the mapped file, which no copy then doubles)
+    narrow_data: dict[int, Any] = {}
+    saved: dict[int, list[dict[str, Any]]] = {}
+    handles = []
+
+    def hooks(module: Any, members: list[Any], check: bool) -> None:
+        def widen(_module: Any, args: Any, kwargs: Any) -> None:
+            if check and any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                             for a in (*args, *kwargs.values())):
+                raise _NotWide(f"a {_narrow_dtype(args, kwargs)} tensor reached {type(module).__name__}")
+            for m in members:
+                for p in m.parameters(recurse=False):
+                    if id(p) in weights:
+                        active[id(p)] = active.get(id(p), 0) + 1
+                        if active[id(p)] == 1:
+                            narrow_data[id(p)] = p.data
+                            p.data = p.data.to(torch.float64)
+                buffers = {n: b for n, b in m._buffers.items() if b is not None and b.is_floating_point()}
+                saved.setdefault(id(m), []).append(buffers)
+                m._buffers.update({n: b.to(torch.float64) for n, b in buffers.items()})
+
+        def narrow(_module: Any, _args: Any, _output: Any) -> None:
+            for m in members:
+                for p in m.parameters(recurse=False):
+                    if active.get(id(p)):
+                        active[id(p)] -= 1
+                        if active[id(p)] == 0:
+                            p.data = narrow_data.pop(id(p))
+                if saved.get(id(m)):
+                    m._buffers.update(saved[id(m)].pop())
+
+        handles.append(module.register_forward_pre_hook(widen, with_kwargs=True))
+        handles.append(module.register_forward_hook(narrow, always_call=True))
+
+    def place(module: Any, top: bool) -> None:
+        inside = floating(module.parameters())
+        if not top and sum(p.numel() for p in inside.values()) <= WIDEN_UNIT_SHARE * total:
+            if inside or floating(module.buffers()):
+                hooks(module, list(module.modules()), check=True)
+            return
+        if floating(module.parameters(recurse=False)) or floating(module._buffers.values()):
+            hooks(module, [module], check=False)
+        for child in module.children():
+            place(child, False)
+
+    place(model, True)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for key, data in narrow_data.items():  # a call cut short by an error left its weights wide
+            weights[key].data = data
+        for module in model.modules():
+            for buffers in reversed(saved.get(id(module), [])):
+                module._buffers.update(buffers)
+
+
+def _narrow_dtype(args: Any, kwargs: Any) -> str:
+    import torch
+
+    found = [a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()
+             and a.dtype != torch.float64]
+    return str(found[0]).replace("torch.", "") if found else "narrow"
 
 
 def _retype(model: Any, dtype_of: Any) -> dict[int, int]:

@@ -31,10 +31,8 @@ from ..compare import (
     relative_distance,
 )
 from ..compare.exported import (
-    FLOAT64_ERRORS,
     FLOAT_FLOOR_MULTIPLE,
-    float64_failure,
-    float64_model,
+    float64_result,
     nonfinite_reason,
 )
 from ..engine import validate_opset
@@ -283,17 +281,17 @@ class FloatFloor:
 def _float_floor(model: torch.nn.Module, shape: DecoderShape, tokens: np.ndarray,
                  logits32: list[np.ndarray], *, owned: bool) -> FloatFloor | str:
     """The model's float floor on the proof's decoding, or why it cannot be measured. A model
-    ``owned`` (loaded here) is widened in place and narrowed back: no float64 copy beside it."""
+    ``owned`` (loaded here) is widened a layer at a time while it runs: no float64 copy beside it."""
     wide_shape = dataclasses.replace(shape, cache_dtype="float64")
-    with float64_model(model, in_place=owned) as wide:
-        if isinstance(wide, str):
-            return wide
-        try:
-            # a mixture of experts' default implementation (a grouped matmul) has no float64 kernel
-            with eval_mode(wide), exportable_experts(wide):
-                reference, _ = _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)
-        except FLOAT64_ERRORS as error:
-            return float64_failure(error)
+
+    def run(wide: Any) -> list[np.ndarray]:
+        # a mixture of experts' default implementation (a grouped matmul) has no float64 kernel
+        with eval_mode(wide), exportable_experts(wide):
+            return _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)[0]
+
+    reference = float64_result(model, run, in_place=owned)
+    if isinstance(reference, str):
+        return reference
     broken = nonfinite_reason(reference, logits32)
     if broken is not None:
         return broken
@@ -394,8 +392,8 @@ def export_decoder(
         reference_model = model
         export_model = model
         if precision == "fp32" and source_folder is not None:
-            # loaded here: its tensors view the mapped weights file, which none of them frees alone;
-            # owning their memory, each gives its own back when the float floor widens it in place
+            # loaded here: its tensors view the mapped weights file, which stays mapped (all of it
+            # resident) while any view lives; owning their memory, nothing keeps the mapping
             from .._core.io import release_freed_memory
 
             _own_tensors(model)

@@ -282,7 +282,9 @@ def greedy_or_sample(step: DecoderStep, cross: list[np.ndarray], encoder_mask: n
     current = sequences
     while sequences.shape[1] < limit:
         logits, own = step(current, encoder_mask, own, cross)
-        last = logits[:, -1].astype(np.float32)
+        last = logits[:, -1]
+        # float16 files' logits are searched in float32; a float64 reference run's stay as they are
+        last = last if last.dtype == np.float64 else last.astype(np.float32)
         if on_logits is not None:
             on_logits(last)
         scores = process(settings, sequences, last, prompt_length, limit)

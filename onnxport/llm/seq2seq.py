@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._core.io import check_output_folder
-from .._core.torch_helpers import eval_mode
+from .._core.io import check_output_folder, release_freed_memory
+from .._core.torch_helpers import drop_weights, eval_mode
 from ..compare import (
     CosineAtLeast,
     Report,
@@ -26,7 +26,7 @@ from ..compare import (
     compare_runs,
     relative_distance,
 )
-from ..compare.exported import FLOAT64_ERRORS, FLOAT_FLOOR_MULTIPLE, float64_failure, float64_model, nonfinite_reason
+from ..compare.exported import FLOAT_FLOOR_MULTIPLE, float64_result, nonfinite_reason
 from ..engine import validate_opset
 from ..errors import ExportRefusedError, InvalidArgumentError, WeakerCheckWarning, check_choice
 from .export import (
@@ -139,15 +139,18 @@ def _output_dir(output_dir: Any) -> Path:
 
 
 def torch_encoder(model: Any, shape: Seq2SeqShape, start: int) -> Encode:
-    """The encode function of the PyTorch model itself (the proof's reference)."""
-    dtype = next(model.parameters()).dtype
+    """The encode function of the PyTorch model itself (the proof's reference), speech features
+    given in the shape's float type (the model's own weights may be narrower until they run)."""
+    dtype = getattr(torch, shape.cache_dtype)
 
     def encode(source: np.ndarray, mask: np.ndarray | None) -> list[np.ndarray]:
         given = torch.from_numpy(source)
         with torch.no_grad():
             out = encoder_call(model, given.to(dtype) if shape.audio else given,
                                None if mask is None else torch.from_numpy(mask), shape.audio, start)
-        return [t.numpy() for t in out]
+        # contiguous once: every decoder step reads the cross keys and values (30 s of audio: a
+        # copy of them per step otherwise)
+        return [np.ascontiguousarray(t.numpy()) for t in out]
 
     return encode
 
@@ -223,17 +226,19 @@ def _reference(model: Any, shape: Seq2SeqShape, start: int) -> _Proof:
 
 def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof, *, owned: bool) -> str | None:
     """Fill the proof's float64 references and floors, or say why they cannot be measured. A model
-    ``owned`` (loaded here) is widened in place and narrowed back: no float64 copy beside it."""
+    ``owned`` (loaded here) is widened a layer at a time while it runs: no float64 copy beside it
+    (:func:`~onnxport.compare.exported.float64_result`)."""
     wide_shape = dataclasses.replace(shape, cache_dtype="float64")
-    with float64_model(model, in_place=owned) as wide:
-        if isinstance(wide, str):
-            return wide
-        try:
-            with eval_mode(wide):
-                encoded = torch_encoder(wide, wide_shape, start)(proof.source, proof.mask)
-                logits, _ = _forced(torch_decoder(wide, wide_shape), encoded[1:], proof.mask, proof, start)
-        except FLOAT64_ERRORS as error:
-            return float64_failure(error)
+
+    def run(wide: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        with eval_mode(wide):
+            encoded = torch_encoder(wide, wide_shape, start)(proof.source, proof.mask)
+            return encoded, _forced(torch_decoder(wide, wide_shape), encoded[1:], proof.mask, proof, start)[0]
+
+    wide_run = float64_result(model, run, in_place=owned)
+    if isinstance(wide_run, str):
+        return wide_run
+    encoded, logits = wide_run
     broken = nonfinite_reason(encoded, proof.encoder_outputs) or nonfinite_reason(logits, proof.logits)
     if broken is not None:
         return broken
@@ -373,6 +378,8 @@ class _Job:
     export_model: Any
     reference_model: Any
     weights: list
+    #: the models whose every tensor is ours (never the caller's): freed once the files are written
+    owned: list
     shape: Seq2SeqShape
     start: int
     opset: int
@@ -386,11 +393,10 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
     weights: list = []
     reference = export = model
     if precision == "fp32" and loaded:
-        from .._core.io import release_freed_memory
         from .export import _own_tensors
 
-        # its tensors view the mapped weights file, which none of them frees alone; owning their
-        # memory, each gives its own back when the float floor widens it in place
+        # its tensors view the mapped weights file, which stays mapped (all of it resident) while
+        # any view lives: owning their memory, they free it when the files are written
         _own_tensors(model)
         release_freed_memory()
     if precision == "fp16":
@@ -414,12 +420,17 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
         export = export_copy(reference, weights)
     reference.eval()
     export.eval()
+    # every tensor of these is ours to free once both files are written: a model loaded here and
+    # what was made from it, or a float16 copy (an int4/int8 copy shares the caller's float tensors)
+    owned = list({id(m): m for m in (model, reference, export)}.values()) if loaded else \
+        [reference] if precision == "fp16" else []
     shape = seq2seq_shape(reference)
     if precision == "fp16":
         shape = dataclasses.replace(shape, cache_dtype="float16")
     proof = _reference(reference, shape, start)
+    release_freed_memory()  # the reference run's activations, before the float floor's and the captures
     result = Seq2SeqFiles(folder, folder / ENCODER_FILE, folder / DECODER_FILE, precision, flavour, shape)
-    return _Job(export, reference, weights, shape, start, opset, proof, result)
+    return _Job(export, reference, weights, owned, shape, start, opset, proof, result)
 
 
 def _record(job: _Job) -> dict[str, str]:
@@ -536,6 +547,11 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
                                               input_names=shape.decoder_inputs, output_names=shape.decoder_outputs,
                                               axes=axes).model, present)
 
+    def release() -> None:
+        # both files are written and the proofs' references computed: a model loaded here is
+        # not run again, and its weights would sit beside the proofs' sessions
+        drop_weights(*job.owned)
+
     def decoding(path: Path) -> None:
         # the written encoder feeds the decoder at both levels (ONNX semantics for its outputs)
         encoded = ort_encoder(unoptimised_session(stage / ENCODER_FILE))(proof.source, proof.mask)
@@ -543,6 +559,7 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
         for optimized in (False, True):
             step = ort_decoder(make_session(path) if optimized else unoptimised_session(path))
             levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, job.start)
+            del step  # one session's copy of the weights at a time
         reference = proof.wide_logits or proof.logits
         names = _step_names(len(reference))
         result.agreement = _compare(names, levels[False][0], reference, proof.logit_floors, "unoptimised",
@@ -558,7 +575,8 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
     run_plan(ExportPlan("export_seq2seq decoder", job.opset, feeds(0, 1), capture, _steps(job),
                         axes=axes, samples=[feeds(0, 1), feeds(3, 1), feeds(2, 3)], keep_reference=False,
                         rules=[*_weight_rules(job, present), decoding], metadata=_record(job),
-                        before_write=_fusions_of(job, DECODER_FILE), external_data=True),
+                        before_write=_fusions_of(job, DECODER_FILE), after_write=release,
+                        external_data=True),
              stage / DECODER_FILE)
 
 
