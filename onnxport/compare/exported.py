@@ -185,9 +185,10 @@ def _widened_per_call(model: Any) -> Iterator[None]:
 
     def hooks(module: Any, members: list[Any], check: bool) -> None:
         def widen(_module: Any, args: Any, kwargs: Any) -> None:
-            if check and any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
-                             for a in (*args, *kwargs.values())):
-                raise _NotWide(f"a {_narrow_dtype(args, kwargs)} tensor reached {type(module).__name__}")
+            narrow = [a.dtype for a in (*args, *kwargs.values()) if check and isinstance(a, torch.Tensor)
+                      and a.is_floating_point() and a.dtype != torch.float64]
+            if narrow:
+                raise _NotWide(f"a {narrow[0]} tensor reached {type(module).__name__}")
             for m in members:
                 for p in m.parameters(recurse=False):
                     if id(p) in weights:
@@ -234,14 +235,6 @@ def _widened_per_call(model: Any) -> Iterator[None]:
         for module in model.modules():
             for buffers in reversed(saved.get(id(module), [])):
                 module._buffers.update(buffers)
-
-
-def _narrow_dtype(args: Any, kwargs: Any) -> str:
-    import torch
-
-    found = [a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()
-             and a.dtype != torch.float64]
-    return str(found[0]).replace("torch.", "") if found else "narrow"
 
 
 def _retype(model: Any, dtype_of: Any) -> dict[int, int]:
