@@ -19,14 +19,14 @@ def _ending(model: torch.nn.Module, factor: float) -> torch.nn.Module:
     return model
 
 
-def _bart_like(config_class: str, model_class: str, ending: float, forced_bos: int | None = None,
+def bart_like(config_class: str, model_class: str, ending: float, forced_bos: int | None = None,
                **extra) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         import transformers
 
         config = getattr(transformers, config_class)(
             vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-            decoder_start_token_id=2, init_std=0.5, **SMALL, **extra)
+            decoder_start_token_id=2, **{"init_std": 0.5, **SMALL, **extra})
         torch.manual_seed(0)
         model = getattr(transformers, model_class)(config).eval()
         if forced_bos is not None:  # as multilingual checkpoints' generation_config.json set it
@@ -64,13 +64,13 @@ def t5() -> torch.nn.Module:
 #: scaled embeddings (Marian, M2M100, mBART), sinusoidal positions (Marian, M2M100), forced
 #: language tokens (mBART, M2M100: forced_bos_token_id), the end forced at the limit (BART)
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
-    "bart": _bart_like("BartConfig", "BartForConditionalGeneration", 12.0, forced_eos_token_id=2),
+    "bart": bart_like("BartConfig", "BartForConditionalGeneration", 12.0, forced_eos_token_id=2),
     "t5-v1.1": t5_v1_1,
     "t5": t5,
-    "marian": _bart_like("MarianConfig", "MarianMTModel", 2.0, scale_embedding=True),
-    "m2m100": _bart_like("M2M100Config", "M2M100ForConditionalGeneration", 4.0, forced_bos=7, scale_embedding=True),
-    "mbart": _bart_like("MBartConfig", "MBartForConditionalGeneration", 5.0, forced_bos=9, scale_embedding=True),
-    "pegasus": _bart_like("PegasusConfig", "PegasusForConditionalGeneration", 2.0, scale_embedding=True),
+    "marian": bart_like("MarianConfig", "MarianMTModel", 2.0, scale_embedding=True),
+    "m2m100": bart_like("M2M100Config", "M2M100ForConditionalGeneration", 4.0, forced_bos=7, scale_embedding=True),
+    "mbart": bart_like("MBartConfig", "MBartForConditionalGeneration", 5.0, forced_bos=9, scale_embedding=True),
+    "pegasus": bart_like("PegasusConfig", "PegasusForConditionalGeneration", 2.0, scale_embedding=True),
 }
 
 #: Whisper's special tokens in this small vocabulary: every one below no-timestamps, so no

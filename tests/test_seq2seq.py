@@ -3,6 +3,7 @@ transformers' generate picks, family by family, greedy and beam search, on batch
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.llm import export_seq2seq, generate
 
-from .seq2seq_models import FAMILIES, SMALL, VOCAB, WHISPER_TOKENS, whisper
+from .seq2seq_models import FAMILIES, SMALL, VOCAB, WHISPER_TOKENS, bart_like, whisper
 
 
 def _source(model, rows: int = 3, length: int = 9, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -301,10 +302,6 @@ def test_bad_input_is_named_and_nothing_is_written(tmp_path, exported):
         export_seq2seq(bart, out, precision="int3")
     with pytest.raises(InvalidArgumentError, match="config.json"):
         export_seq2seq(tmp_path, out)
-    # in float16 BART's layers clamp after testing their values for infinity: a data-dependent
-    # branch torch.export cannot capture, named in the refusal
-    with pytest.raises(ExportRefusedError, match="data-dependent"):
-        export_seq2seq(bart, out, precision="fp16")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert all(p.dtype == torch.float32 for p in bart.parameters())
 
@@ -472,6 +469,34 @@ def test_fp16_whisper_generates_what_the_half_model_generates(tmp_path):
         half = GenerationMixin.generate(model.half(), torch.from_numpy(features).half(),
                                         decoder_input_ids=torch.from_numpy(got[:, :4]), max_new_tokens=10).numpy()
     assert got.shape == half.shape and (got == half).mean() >= 0.9
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_fp16_file_clamps_where_the_half_model_clamps(family, tmp_path):
+    """In float16 BART's and Marian's encoder layers clamp their output when some value is not
+    finite (``if not torch.isfinite(x).all()``, a branch torch.export cannot capture): the file
+    holds that clamp as data flow, and clamps exactly when the half model does."""
+    model = {"bart": bart_like("BartConfig", "BartForConditionalGeneration", 12.0, init_std=0.2),
+             "marian": bart_like("MarianConfig", "MarianMTModel", 2.0, scale_embedding=True, init_std=0.2)}[family]()
+    encoder = model.get_encoder()
+    ids, mask = _source(model)
+    with torch.no_grad():
+        # one channel of the last encoder layer overflows float16; the decoder reads that channel
+        # through zero weights, so a file that did not clamp would give infinity times zero: NaN
+        encoder.layers[-1].final_layer_norm.weight[0] = 1e6
+        for layer in model.get_decoder().layers:
+            layer.encoder_attn.k_proj.weight[:, 0] = 0
+            layer.encoder_attn.v_proj.weight[:, 0] = 0
+        half = copy.deepcopy(model).half()
+        clamped = half.get_encoder()(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))[0]
+    assert (clamped.abs() == torch.finfo(torch.float16).max - 1000).any()  # the model's branch was taken
+    result = export_seq2seq(model, tmp_path / "onnx", precision="fp16")
+    ops = {node.op_type for node in onnx.load(str(result.encoder), load_external_data=False).graph.node}
+    assert {"IsInf", "Where"} <= ops or {"IsNaN", "Where"} <= ops
+    assert model.get_encoder().layers[-1].forward.__func__ is type(encoder.layers[-1]).forward  # the model given is untouched
+    got = generate(result.folder, ids, mask, max_new_tokens=8)
+    expected = _transformers(half, ids, mask, max_new_tokens=8)
+    assert got.shape == expected.shape and (got == expected).mean() >= 0.9
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])

@@ -401,7 +401,7 @@ def export_decoder(
         if precision == "fp16":
             # the half model is the reference: the file computes what it computes, as a user
             # running model.half() would see it (a copy: the model given is never changed)
-            reference_model = export_model = model.half() if source_folder is not None else _half_copy(model)
+            reference_model = export_model = half_for_export(model, in_place=source_folder is not None)
             shape = dataclasses.replace(shape, cache_dtype="float16")
             model = None
         elif precision != "fp32":
@@ -478,6 +478,16 @@ def _grouped_sdpa(enabled: bool):
         yield
     finally:
         sdpa_attention.use_gqa_in_sdpa = original
+
+
+def half_for_export(model: torch.nn.Module, *, in_place: bool) -> torch.nn.Module:
+    """``model.half()`` (in place when nobody else holds the model, else a copy), with its family's
+    float16 adapter applied: a change that exports and leaves every output as ``model.half()``'s."""
+    from .._core.adapters import adapter_for
+
+    half = model.half() if in_place else _half_copy(model)
+    adapter_for(str(getattr(getattr(half, "config", None), "model_type", ""))).prepare_half(half)
+    return half
 
 
 def _half_copy(model: torch.nn.Module) -> torch.nn.Module:

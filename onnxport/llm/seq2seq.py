@@ -400,10 +400,10 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
         _own_tensors(model)
         release_freed_memory()
     if precision == "fp16":
-        from .export import _half_copy
+        from .export import half_for_export
 
         # loaded here, so nobody else holds it: halved in place, no float32 copy beside it
-        reference = export = model.half() if loaded else _half_copy(model)
+        reference = export = half_for_export(model, in_place=loaded)
     elif precision in ("int4", "int8"):
         from ..exporters.weight_only import export_copy, quantized_weights
         from ..quantize.weight_only import quantize_weight_only

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from .._core.adapters import adapter_for
 from ..errors import DependencyError, InvalidArgumentError
-from .adapters import adapter_for
 from .tasks import Task, get_task, infer_task
 
 #: Files a folder may hold that a deployment needs beside the model (tokenizers, processors,

@@ -1,0 +1,126 @@
+"""A family's quirks, registered by ``model_type`` (as Optimum keeps one config per architecture):
+how to load it and what to change before it exports. The exporters' code never names a model.
+
+Shared by the front door (``export_pretrained``) and the generation exporters (``export_decoder``,
+``export_seq2seq``), so it sits in the core both stand on.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..errors import ExportRefusedError
+
+
+def _nothing(model: torch.nn.Module) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What one family needs to export.
+
+    Attributes:
+        load_kwargs: given to ``from_pretrained`` (an attention implementation that exports).
+        prepare: changes the loaded model in place before export (a data-dependent branch off).
+        prepare_half: changes a float16 copy in place before it exports (never the caller's model:
+            the exporters call it on the copy they made). It must leave every output as it was, so
+            the copy stays the ``model.half()`` the file is held to.
+    """
+
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+    prepare: Callable[[torch.nn.Module], None] = _nothing
+    prepare_half: Callable[[torch.nn.Module], None] = _nothing
+
+
+#: transformers' eager attention: SDPA's export carries a NaN guard per attention (IsNaN and Where
+#: after its softmax) that ONNX Runtime runs on every call; the eager form is the plain three ops
+DEFAULT = Adapter(load_kwargs={"attn_implementation": "eager"})
+ADAPTERS: dict[str, Adapter] = {}
+
+
+def register(*model_types: str) -> Callable[[Adapter], Adapter]:
+    def add(adapter: Adapter) -> Adapter:
+        for model_type in model_types:
+            ADAPTERS[model_type] = adapter
+        return adapter
+
+    return add
+
+
+def adapter_for(model_type: str) -> Adapter:
+    return ADAPTERS.get(model_type, DEFAULT)
+
+
+class _AllFiniteAnswered(TorchFunctionMode):
+    """Answers ``torch.isfinite(x).all()`` with ``True`` in Python, so a layer's
+    ``if not torch.isfinite(x).all():`` branch is not taken and leaves no data-dependent guard
+    for torch.export; counts how often it answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # the results themselves are kept, not only their ids: a freed tensor's id can be reused
+        self._finite: list[torch.Tensor] = []
+        self.answered = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.all and len(args) == 1 and not kwargs \
+                and any(args[0] is seen for seen in self._finite):
+            self.answered += 1
+            return True
+        result = func(*args, **kwargs)
+        if func is torch.isfinite:
+            self._finite.append(result)
+        return result
+
+
+def _clamp_unless_finite(output: torch.Tensor) -> torch.Tensor:
+    """The float16 layer's guard as data flow: clamped to the largest float16 less 1000 only when
+    some value is not finite, the same values the branch gives."""
+    bound = torch.finfo(output.dtype).max - 1000
+    return torch.where(torch.isfinite(output).all(), output, output.clamp(-bound, bound))
+
+
+def _encoder_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    get_encoder = getattr(model, "get_encoder", None)
+    encoder = get_encoder() if callable(get_encoder) else model
+    yield from getattr(encoder, "layers", ())
+
+
+def _finite_guard_as_data_flow(model: torch.nn.Module) -> None:
+    """BART-like encoder layers in float16 end with ``if not torch.isfinite(x).all(): x = clamp(x)``:
+    a branch on data, which torch.export cannot capture. Each layer runs with that test answered
+    "finite" and then applies the same clamp as a ``Where`` on its output, so the file clamps
+    exactly when the model would (a layer whose test is not its last step would be wrong here:
+    a layer that does not ask it exactly once in float16 is refused)."""
+    for layer in _encoder_layers(model):
+        original = layer.forward
+
+        def forward(self: torch.nn.Module, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+            mode = _AllFiniteAnswered()
+            with mode:
+                output = _original(*args, **kwargs)
+            hidden = output[0] if isinstance(output, tuple) else output
+            if hidden.dtype != torch.float16:
+                return output
+            if mode.answered != 1:
+                raise ExportRefusedError(
+                    f"{type(self).__name__} asked whether its values are finite {mode.answered} times in float16, "
+                    f"where the adapter for its family expects once, as its last step; the adapter does not fit "
+                    f"this version of the model's code.")
+            if isinstance(output, tuple):
+                return (_clamp_unless_finite(hidden), *output[1:])
+            return _clamp_unless_finite(hidden)
+
+        layer.forward = types.MethodType(forward, layer)
+
+
+register("bart", "marian", "plbart", "mvp", "blenderbot-small")(
+    Adapter(load_kwargs=dict(DEFAULT.load_kwargs), prepare_half=_finite_guard_as_data_flow))
