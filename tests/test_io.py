@@ -159,3 +159,31 @@ def test_a_large_single_file_model_is_written_a_weight_at_a_time_and_reads_back_
     runs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0] for p in (whole, streamed)]
     np.testing.assert_array_equal(runs[0], runs[1])
     assert [v.const_value.numpy().tobytes() for v in model.graph.initializers.values()] == [w1.tobytes(), w2.tobytes()]
+
+
+def _resident_file_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
+
+
+def test_mapped_file_pages_are_given_back_and_read_again_unchanged(tmp_path):
+    # a model loaded from safetensors views its mapped file privately, as torch.from_file does here
+    import torch
+
+    from onnxport._core.io import MappedFilePages
+
+    size = 32 << 20
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    (tmp_path / "weights.bin").write_bytes(data.tobytes())
+    mapped = torch.from_file(str(tmp_path / "weights.bin"), shared=False, size=size, dtype=torch.uint8)
+    total = int(mapped.sum())  # every page read: resident
+    mapped[:10] = 7  # a written page is the process's own: it must survive the release
+    pages = MappedFilePages()
+    before = _resident_file_bytes()
+    if not pages.release(mapped.data_ptr(), size):
+        pytest.skip("this kernel has no MADV_PAGEOUT (Linux 5.4)")
+    assert before - _resident_file_bytes() > size // 2
+    assert int(mapped[10:].sum()) == total - int(data[:10].sum()) and torch.equal(mapped[:10], torch.full((10,), 7, dtype=torch.uint8))
+    # memory that maps no file (the heap, a tensor of the process's own) is never touched
+    own = torch.ones(size, dtype=torch.uint8)
+    assert not MappedFilePages().release(own.data_ptr(), size)

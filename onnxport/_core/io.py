@@ -447,3 +447,50 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+#: madvise's "reclaim these pages now" (Linux 5.4): clean file pages are dropped (read again if
+#: touched), a page that was written is kept or swapped out, never lost
+_MADV_PAGEOUT = 21
+
+
+class MappedFilePages:
+    """Hands the pages of file-mapped memory back to the OS once their bytes have been copied out.
+
+    A model loaded from safetensors views the mapped weights file; copying its tensors out would
+    otherwise hold the copy and every page read of the mapping at once (twice the weights). The
+    process's file mappings are read once, from ``/proc/self/maps``; memory outside them (heap
+    tensors) is never touched. A no-op where the kernel or the C library cannot do it.
+    """
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []
+        self._page = 4096
+        self._madvise: Any = None
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise = libc.madvise
+            self._page = os.sysconf("SC_PAGE_SIZE")
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split()
+                    # a mapping of a file has an inode; the heap, stacks and anonymous memory have 0
+                    if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        self._spans.append((start, end))
+        except (OSError, AttributeError, ValueError):
+            self._spans = []
+
+    def release(self, address: int, size: int) -> bool:
+        """Reclaim the whole pages of ``[address, address + size)`` if they lie in a file mapping
+        (a page shared with bytes outside the range is left as it is); whether the kernel took it."""
+        if self._madvise is None or size <= 0:
+            return False
+        first = -(-address // self._page) * self._page
+        last = (address + size) // self._page * self._page
+        if last > first and any(start <= first and last <= end for start, end in self._spans):
+            return bool(self._madvise(first, last - first, _MADV_PAGEOUT) == 0)
+        return False

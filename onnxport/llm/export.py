@@ -503,7 +503,13 @@ def _half_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def _own_tensors(module: torch.nn.Module) -> None:
     """Give every plain parameter and buffer of ``module`` its own memory (tied ones stay tied),
-    so nothing in it points into the storage of the model it was copied from."""
+    so nothing in it points into the storage of the model it was copied from.
+
+    Tensors viewing a mapped weights file give their pages back as each is copied, so the copy
+    never sits beside the whole resident mapping."""
+    from .._core.io import MappedFilePages
+
+    mapped = MappedFilePages()
     copies: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table, wrap in ((sub._parameters, lambda t: torch.nn.Parameter(t, requires_grad=False)), (sub._buffers, lambda t: t)):
@@ -512,6 +518,8 @@ def _own_tensors(module: torch.nn.Module) -> None:
                     continue  # torchao's quantized weights are tensor subclasses: already their own
                 if id(tensor) not in copies:
                     copies[id(tensor)] = wrap(tensor.detach().clone())
+                    if tensor.is_contiguous():
+                        mapped.release(tensor.data_ptr(), tensor.numel() * tensor.element_size())
                 table[name] = copies[id(tensor)]  # type: ignore[assignment]  # a buffer table holds plain tensors
 
 
