@@ -193,18 +193,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seq2seq_folder(args: argparse.Namespace) -> bool:
-    """An encoder-decoder folder that generates (by its config's architectures and --task)."""
+def _seq2seq_folder(source: str, task: str | None) -> bool:
+    """An encoder-decoder folder that generates (by its config's architectures and the task asked)."""
     from .pretrained.tasks import generates_seq2seq
 
-    config = Path(args.model) / "config.json"
-    if args.model.startswith("timm:") or not config.is_file():
+    config = Path(source) / "config.json"
+    if source.startswith("timm:") or not config.is_file():
         return False
     try:
         architectures = json.loads(config.read_text()).get("architectures")
     except (OSError, ValueError):
         return False  # export_pretrained names the broken config
-    return generates_seq2seq(architectures, args.task or "auto")
+    return generates_seq2seq(architectures, task or "auto")
 
 
 def _export_seq2seq(args: argparse.Namespace) -> int:
@@ -225,7 +225,7 @@ def _export_seq2seq(args: argparse.Namespace) -> int:
 def _export_pretrained(args: argparse.Namespace) -> int:
     from .pretrained import export_pretrained
 
-    if _seq2seq_folder(args):
+    if _seq2seq_folder(args.model, args.task):
         return _export_seq2seq(args)
 
     if args.quantize is not None and args.quantize not in FOLDER_QUANTIZE:
@@ -254,13 +254,15 @@ def _export_pretrained(args: argparse.Namespace) -> int:
 
 
 def cmd_llm(args: argparse.Namespace) -> int:
-    from .llm import export_decoder
+    from .llm import export_decoder, export_seq2seq
 
     folder = Path(args.folder)
     if not folder.is_dir():
         raise UsageError(f"FOLDER '{args.folder}' is not a folder; give the folder save_pretrained wrote.")
-    result = export_decoder(folder, args.output, precision=args.precision, flavour=args.flavour,
-                            group_size=args.group_size)
+    # an encoder-decoder (T5, BART, Whisper…) gets its two files with the same precisions and flavours
+    seq2seq = _seq2seq_folder(str(folder), None)
+    export = export_seq2seq if seq2seq else export_decoder
+    result = export(folder, args.output, precision=args.precision, flavour=args.flavour, group_size=args.group_size)
     print(result.summary())
     if result.genai_config is not None:
         print(f"wrote {result.genai_config}")
@@ -510,10 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--static-batch", action="store_true", help="keep the sample's batch size fixed")
     export.set_defaults(func=cmd_export)
 
-    llm = sub.add_parser("llm", help="a causal LM's save_pretrained folder -> an ONNX decoder with a key/value cache")
+    llm = sub.add_parser("llm", help="a causal LM's save_pretrained folder -> an ONNX decoder with a key/value cache; "
+                                     "an encoder-decoder's (T5, BART, Whisper…) -> its encoder and decoder files")
     llm.add_argument("folder", metavar="FOLDER", help="the folder save_pretrained wrote (config.json, weights)")
     llm.add_argument("-o", "--output", required=True, metavar="OUTDIR",
-                     help="folder for model.onnx (+ .data), genai_config.json and the tokenizer files")
+                     help="folder for model.onnx (+ .data; an encoder-decoder: encoder_model.onnx and "
+                          "decoder_model.onnx), genai_config.json and the tokenizer files")
     llm.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "int4", "int8"))
     llm.add_argument("--flavour", default="portable", choices=("portable", "ort-cpu"),
                      help="standard ONNX operators, or ONNX Runtime's CPU fusions")

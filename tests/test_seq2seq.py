@@ -399,6 +399,25 @@ def test_cli_exports_text_and_speech_folders_and_generates_text(tmp_path, capsys
     assert "16000 Hz" in capsys.readouterr().err
 
 
+def test_the_llm_command_exports_an_encoder_decoder_folder_in_float16_for_onnx_runtime(tmp_path, capsys):
+    # the folder is loaded and halved in place: BART's float16 guard taken as data flow on that path too
+    from onnxport.cli import main
+
+    bart = bart_like("BartConfig", "BartForConditionalGeneration", 12.0, init_std=0.2)()
+    source = tmp_path / "bart"
+    bart.save_pretrained(source)
+    out = tmp_path / "bart-onnx"
+    assert main(["llm", str(source), "-o", str(out), "--precision", "fp16", "--flavour", "ort-cpu"]) == 0
+    assert "fp16, ort-cpu" in capsys.readouterr().out
+    decoder = onnx.load(str(out / "decoder_model.onnx"), load_external_data=False)
+    assert "MultiHeadAttention" in {n.op_type for n in decoder.graph.node}
+    assert decoder.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    ids, mask = _source(bart)
+    got = generate(out, ids, mask, max_new_tokens=8)
+    expected = _transformers(bart.half(), ids, mask, max_new_tokens=8)
+    assert got.shape == expected.shape and (got == expected).mean() >= 0.9
+
+
 @pytest.fixture(scope="module")
 def trained_bart():
     """A small BART trained for a few seconds to reverse six tokens: its greedy tokens carry
