@@ -122,5 +122,5 @@ def _finite_guard_as_data_flow(model: torch.nn.Module) -> None:
         layer.forward = types.MethodType(forward, layer)
 
 
-register("bart", "marian", "plbart", "mvp", "blenderbot-small")(
+register("bart", "marian", "plbart", "mvp", "blenderbot-small", "bigbird_pegasus")(
     Adapter(load_kwargs=dict(DEFAULT.load_kwargs), prepare_half=_finite_guard_as_data_flow))
