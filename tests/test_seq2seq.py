@@ -3,7 +3,6 @@ transformers' generate picks, family by family, greedy and beam search, on batch
 
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np
@@ -399,25 +398,6 @@ def test_cli_exports_text_and_speech_folders_and_generates_text(tmp_path, capsys
     assert "16000 Hz" in capsys.readouterr().err
 
 
-def test_the_llm_command_exports_an_encoder_decoder_folder_in_float16_for_onnx_runtime(tmp_path, capsys):
-    # the folder is loaded and halved in place: BART's float16 guard taken as data flow on that path too
-    from onnxport.cli import main
-
-    bart = bart_like("BartConfig", "BartForConditionalGeneration", 12.0, init_std=0.2)()
-    source = tmp_path / "bart"
-    bart.save_pretrained(source)
-    out = tmp_path / "bart-onnx"
-    assert main(["llm", str(source), "-o", str(out), "--precision", "fp16", "--flavour", "ort-cpu"]) == 0
-    assert "fp16, ort-cpu" in capsys.readouterr().out
-    decoder = onnx.load(str(out / "decoder_model.onnx"), load_external_data=False)
-    assert "MultiHeadAttention" in {n.op_type for n in decoder.graph.node}
-    assert decoder.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
-    ids, mask = _source(bart)
-    got = generate(out, ids, mask, max_new_tokens=8)
-    expected = _transformers(bart.half(), ids, mask, max_new_tokens=8)
-    assert got.shape == expected.shape and (got == expected).mean() >= 0.9
-
-
 @pytest.fixture(scope="module")
 def trained_bart():
     """A small BART trained for a few seconds to reverse six tokens: its greedy tokens carry
@@ -490,30 +470,36 @@ def test_fp16_whisper_generates_what_the_half_model_generates(tmp_path):
     assert got.shape == half.shape and (got == half).mean() >= 0.9
 
 
-@pytest.mark.parametrize("family", ["bart", "marian"])
-def test_fp16_file_clamps_where_the_half_model_clamps(family, tmp_path):
-    """In float16 BART's and Marian's encoder layers clamp their output when some value is not
-    finite (``if not torch.isfinite(x).all()``, a branch torch.export cannot capture): the file
-    holds that clamp as data flow, and clamps exactly when the half model does."""
-    model = {"bart": bart_like("BartConfig", "BartForConditionalGeneration", 12.0, init_std=0.2),
-             "marian": bart_like("MarianConfig", "MarianMTModel", 2.0, scale_embedding=True, init_std=0.2)}[family]()
-    encoder = model.get_encoder()
+def test_fp16_file_from_the_llm_command_clamps_where_the_half_model_clamps(tmp_path, capsys):
+    """In float16 BART's encoder layers clamp their output when some value is not finite
+    (``if not torch.isfinite(x).all()``, a branch torch.export cannot capture): the file holds that
+    clamp as data flow and clamps exactly when the half model does. Through ``onnxport llm`` on a
+    saved folder, in 'ort-cpu': the folder's model is loaded and halved in place, then fused."""
+    from onnxport.cli import main
+
+    model = bart_like("BartConfig", "BartForConditionalGeneration", 12.0, init_std=0.2)()
     ids, mask = _source(model)
     with torch.no_grad():
         # one channel of the last encoder layer overflows float16; the decoder reads that channel
         # through zero weights, so a file that did not clamp would give infinity times zero: NaN
-        encoder.layers[-1].final_layer_norm.weight[0] = 1e6
+        model.get_encoder().layers[-1].final_layer_norm.weight[0] = 1e6
         for layer in model.get_decoder().layers:
             layer.encoder_attn.k_proj.weight[:, 0] = 0
             layer.encoder_attn.v_proj.weight[:, 0] = 0
-        half = copy.deepcopy(model).half()
+    source, out = tmp_path / "bart", tmp_path / "bart-onnx"
+    model.save_pretrained(source)
+    half = model.half()
+    with torch.no_grad():
         clamped = half.get_encoder()(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))[0]
     assert (clamped.abs() == torch.finfo(torch.float16).max - 1000).any()  # the model's branch was taken
-    result = export_seq2seq(model, tmp_path / "onnx", precision="fp16")
-    ops = {node.op_type for node in onnx.load(str(result.encoder), load_external_data=False).graph.node}
-    assert {"IsInf", "Where"} <= ops or {"IsNaN", "Where"} <= ops
-    assert model.get_encoder().layers[-1].forward.__func__ is type(encoder.layers[-1]).forward  # the model given is untouched
-    got = generate(result.folder, ids, mask, max_new_tokens=8)
+    assert main(["llm", str(source), "-o", str(out), "--precision", "fp16", "--flavour", "ort-cpu"]) == 0
+    assert "fp16, ort-cpu" in capsys.readouterr().out
+    ops = {node.op_type for node in onnx.load(str(out / "encoder_model.onnx"), load_external_data=False).graph.node}
+    assert "Where" in ops and ({"IsInf", "IsNaN"} & ops)
+    decoder = onnx.load(str(out / "decoder_model.onnx"), load_external_data=False)
+    assert "MultiHeadAttention" in {n.op_type for n in decoder.graph.node}
+    assert decoder.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    got = generate(out, ids, mask, max_new_tokens=8)
     expected = _transformers(half, ids, mask, max_new_tokens=8)
     assert got.shape == expected.shape and (got == expected).mean() >= 0.9
 
