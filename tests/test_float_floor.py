@@ -243,3 +243,43 @@ def test_a_float64_run_widens_each_module_only_while_it_runs():
         got = float64_result(reader, lambda wide: wide(x), in_place=True)
         assert torch.equal(got, float64_copy(reader)(x))
     assert all(p.dtype == torch.float32 for p in reader.parameters())
+
+
+class _UpcastsToFloat32(nn.Module):
+    """Attention and a norm as transformers writes them: the softmax and the norm "upcast" to
+    float32 (``upcast=False``: the same model computing in its own dtype throughout)."""
+
+    def __init__(self, upcast: bool = True) -> None:
+        super().__init__()
+        self.proj, self.upcast = nn.Linear(8, 8), upcast
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        work = torch.float32 if self.upcast else x.dtype
+        scores = self.proj(x) @ x.transpose(-1, -2)
+        scores = scores + torch.zeros_like(scores).masked_fill(~keep, torch.finfo(scores.dtype).min)
+        out = torch.softmax(scores, dim=-1, dtype=work).to(x.dtype) @ x
+        h = out.to(work) if self.upcast else out
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h.to(x.dtype) + (out.float() if self.upcast else out).mean()
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_float64_run_computes_the_models_float32_upcasts_in_float64(in_place):
+    # in float64 a float32 "upcast" is a downcast: the reference would round where the float32 run
+    # does, and a fully masked row's float64 minimum overflows float32 to -inf (NaN: Gemma 2's
+    # padded rows); the float64 run keeps such tensors in float64
+    from onnxport.compare.exported import float64_result
+
+    torch.manual_seed(0)
+    model = _UpcastsToFloat32().eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    keep = torch.ones(2, 5, 5, dtype=torch.bool)
+    keep[1, :2] = False  # the second row's first two queries see nothing (left padding)
+    with torch.no_grad():
+        got = float64_result(model, lambda wide: wide(x, keep), in_place=in_place)
+        own = copy.deepcopy(model).double()
+        own.upcast = False
+        expected = own(x, keep)
+        assert torch.isnan(copy.deepcopy(model).double()(x, keep)).any()  # as transformers' code runs it
+    assert got.dtype == torch.float64 and torch.equal(got, expected)
+    assert all(p.dtype == torch.float32 for p in model.parameters())

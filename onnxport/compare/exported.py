@@ -103,7 +103,39 @@ def float64_model(model: Any, *, in_place: bool = False) -> Iterator[Any]:
         _retype(model, lambda t: dtypes[narrowed[id(t)]])
 
 
-#: Widened one at a time, the largest modules holding at most this share of a model's floating
+@contextlib.contextmanager
+def _stays_wide() -> Iterator[None]:
+    """While a float64 run runs: a float64 tensor asked for float32 stays float64.
+
+    Models "upcast" to float32 where float16 or bfloat16 would lose too much — attention's
+    ``softmax(..., dtype=torch.float32)``, a norm's ``x.to(torch.float32)``, rotary angles'
+    ``.float()`` — which in a float64 run is a downcast: the reference would round there as the
+    float32 run does, and a mask's float64 minimum overflows to -inf (Gemma 2's padded rows became
+    NaN). Only casts and ``dtype=`` requests of float32 on float64 tensors change; the values are
+    what the model asks for, more exactly.
+    """
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    casts = (torch.Tensor.to, torch.Tensor.type)
+
+    class StaysWide(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            if args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+                if func is torch.Tensor.float:
+                    return args[0]
+                if kwargs.get("dtype") is torch.float32:
+                    kwargs = {**kwargs, "dtype": torch.float64}
+                if func in casts:
+                    args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            return func(*args, **kwargs)
+
+    with StaysWide():
+        yield
+
+
+#: Widened one at a time, the largest modules holding at most this share of a model's floating#: Widened one at a time, the largest modules holding at most this share of a model's floating
 #: weights (a transformer's layers, its embeddings): the float64 run's extra memory.
 WIDEN_UNIT_SHARE = 1 / 8
 
@@ -129,7 +161,7 @@ def float64_result(model: Any, run: Callable[[Any], T], *, in_place: bool = Fals
     try:
         if in_place:
             try:
-                with _widened_per_call(model):
+                with _widened_per_call(model), _stays_wide():
                     result = run(model)
                 if _all_wide(result):
                     return result
@@ -139,7 +171,8 @@ def float64_result(model: Any, run: Callable[[Any], T], *, in_place: bool = Fals
             if isinstance(wide, str):
                 return wide
             try:
-                return run(wide)
+                with _stays_wide():
+                    return run(wide)
             except FLOAT64_ERRORS as error:
                 return float64_failure(error)
     finally:
@@ -290,7 +323,7 @@ def _float64_run(wide: Any, sample: Any, batches: list[tuple]) -> Any:
     try:
         call, _, _ = bind_sample(wide, sample)
         wide_batches = [tuple(t.double() if t.is_floating_point() else t for t in batch) for batch in batches]
-        with eval_mode(wide):
+        with eval_mode(wide), _stays_wide():
             return torch_batches(call, wide_batches, "torch (float64)")
     except FLOAT64_ERRORS as error:
         return float64_failure(error)
