@@ -24,10 +24,13 @@ from tests.test_portable import _token_task, _train
 _PRODUCTS = ("Convolution", "GroupConvolution", "FullyConnected", "MatMul")
 
 
-def openvino_runtime(path) -> tuple[Counter, object]:
-    """(layer type, runtime precision) of every op in the CPU plugin's compiled graph, and the model."""
+def openvino_runtime(path, threads: int | None = 1) -> tuple[Counter, object]:
+    """(layer type, runtime precision) of every op in the CPU plugin's compiled graph, and the model
+    (one inference thread unless asked: with two, OpenVINO 2026.4's fused residual convs answer
+    differently from call to call on an AVX2 EPYC; docs/targets.md)."""
 
-    compiled = openvino.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    config = {"INFERENCE_PRECISION_HINT": "f32", **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+    compiled = openvino.Core().compile_model(str(path), "CPU", config)
     counts: Counter = Counter()
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()

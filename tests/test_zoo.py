@@ -23,8 +23,10 @@ def _first(outputs) -> np.ndarray:
 def _openvino(path, x: np.ndarray) -> np.ndarray:
     import openvino as ov
 
-    # f32: OpenVINO's CPU plugin otherwise computes in bf16 where the processor has it
-    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    # f32: OpenVINO's CPU plugin otherwise computes in bf16 where the processor has it; one thread:
+    # with two, its fused residual convs answer differently from call to call on an AVX2 EPYC
+    # (docs/targets.md)
+    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1})
     return np.asarray(compiled([x])[compiled.outputs[0]])
 
 
