@@ -32,6 +32,18 @@ class UnsafeExternalDataError(InvalidArgumentError):
     leads out, or a ``basepath`` entry onnxport did not write); refused before a byte is read."""
 
 
+class FixedAxesError(InvalidArgumentError):
+    """torch.export proves that the model's code fixes the size of an axis asked to be symbolic.
+
+    Attributes:
+        fixed: the axes' labels and the size the code fixes each to.
+    """
+
+    def __init__(self, message: str, fixed: dict[str, int]) -> None:
+        super().__init__(message)
+        self.fixed = dict(fixed)
+
+
 class ExportRefusedError(OnnxportError, RuntimeError):
     """A produced file broke one of its promises (opset, outputs, placement…); nothing was kept."""
 
@@ -62,6 +74,11 @@ class WeakerCheckWarning(OnnxportWarning):
     """A check fell back to a weaker criterion than the one asked for (the model's float floor
     could not be measured: no float64 kernel for one of its operators, or a float64 copy over the
     memory budget); the message names why and the criterion used instead."""
+
+
+class FixedShapeWarning(OnnxportWarning):
+    """An axis that would be symbolic is fixed in the file, because the model's code fixes it; the
+    message names the axis, its size and the line of model code."""
 
 
 class VacuousCheckWarning(OnnxportWarning):

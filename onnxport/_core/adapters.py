@@ -124,3 +124,32 @@ def _finite_guard_as_data_flow(model: torch.nn.Module) -> None:
 
 register("bart", "marian", "plbart", "mvp", "blenderbot-small", "bigbird_pegasus")(
     Adapter(load_kwargs=dict(DEFAULT.load_kwargs), prepare_half=_finite_guard_as_data_flow))
+
+
+def _without_length_cache(model: torch.nn.Module) -> None:
+    """Rotary position tables kept between calls with the length they were made for
+    (``cached_sequence_length``): comparing a traced length with the last eager run's length fixes
+    that axis in the file, and a capture would leave a traced table in the module. Each such
+    module forgets its table before and after every call, so every call computes it from the
+    input's own length (the values are the same)."""
+    for module in model.modules():
+        if not hasattr(module, "cached_sequence_length"):
+            continue
+        cached = [name for name in vars(module) if name.startswith("cached_")]
+        original = module.forward
+
+        def forward(self: torch.nn.Module, *args: Any, _original: Callable = original, _cached: list = cached,
+                    **kwargs: Any) -> Any:
+            for name in _cached:
+                setattr(self, name, None)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                for name in _cached:
+                    setattr(self, name, None)
+
+        module.forward = types.MethodType(forward, module)
+
+
+register("wav2vec2-conformer", "wav2vec2-bert")(
+    Adapter(load_kwargs=dict(DEFAULT.load_kwargs), prepare=_without_length_cache))

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..errors import ExportRefusedError, InvalidArgumentError
+from ..errors import ExportRefusedError, FixedAxesError, InvalidArgumentError
 
 #: input name → {axis: label}
 Axes = dict[str, dict[int, str]]
@@ -216,7 +216,7 @@ def capture_with_axes(export: Callable[[tuple | None], T], axes: Axes, names: Se
     axis, a size it proves the model fixes.
 
     Returns the export's result and the guards torch added on the way, each with the line of
-    model code that added it (for :func:`specialized_sentence`, when the caller finds a size
+    model code that added it (for :func:`specialized_error`, when the caller finds a size
     fixed in the result).
     """
     ranges = dict(ranges or {})
@@ -229,7 +229,7 @@ def capture_with_axes(export: Callable[[tuple | None], T], axes: Axes, names: Se
             found, static = suggested_fixes(message)
             static.update(_specialized(message, axes))
             if static:
-                raise InvalidArgumentError(specialized_sentence(model, axes, static, message)) from error
+                raise specialized_error(model, axes, static, message) from error
             found = {label: rng for label, rng in found.items() if label in {lb for s in axes.values() for lb in s.values()}}
             if not found or all(ranges.get(label) == rng for label, rng in found.items()):
                 if "Constraints violated" not in message:
@@ -290,15 +290,18 @@ def _specialized(message: str, axes: Axes) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in _SPECIALIZED.finditer(message) if m.group(1) in labels}
 
 
-def specialized_sentence(model: Any, axes: Axes, static: Mapping[str, int], message: str) -> str:
+def specialized_error(model: Any, axes: Axes, static: Mapping[str, int], message: str) -> FixedAxesError:
+    """The refusal of a capture whose model code fixes the size of symbolic axes (``static``: their
+    labels and sizes), naming the inputs, axes and the line of model code."""
     parts = []
     for label, size in static.items():
         where = [f"{name!r} axis {axis}" for name, spec in axes.items() for axis, lb in spec.items() if lb == label]
         parts.append(f"{' and '.join(where)} ({label!r}) to {size}")
-    return (f"torch.export proves that {type(model).__name__} fixes the size of {'; '.join(parts)}"
-            f"{_where(message, list(static.values()))}: the model's code turns that size into a constant (a mask or cache built with a "
-            f"Python int, a check against a fixed length), so the file cannot accept other sizes. Leave that axis "
-            f"out of dynamic_axes, or make the model compute it from the input's shape.")
+    return FixedAxesError(
+        f"torch.export proves that {type(model).__name__} fixes the size of {'; '.join(parts)}"
+        f"{_where(message, list(static.values()))}: the model's code turns that size into a constant (a mask or cache "
+        f"built with a Python int, a check against a fixed length), so the file cannot accept other sizes. Leave "
+        f"that axis out of dynamic_axes, or make the model compute it from the input's shape.", dict(static))
 
 
 # -- files ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ExportRefusedError, InvalidArgumentError
-from .axes import Axes, capture_with_axes, fixed_in_program, specialized_sentence, tracing_inputs
+from .axes import Axes, capture_with_axes, fixed_in_program, specialized_error, tracing_inputs
 from .torch_helpers import without_kv_cache
 
 #: The oldest opset the dynamo exporter writes; older requests are lowered afterwards.
@@ -110,7 +110,7 @@ def torch_program(
         raise ExportRefusedError("torch.onnx.export returned no program.")
     fixed = fixed_in_program(program.model.graph, axes)
     if fixed:  # the exporter fell back to a capture that specialised the size
-        raise InvalidArgumentError(specialized_sentence(model, axes, fixed, guards))
+        raise specialized_error(model, axes, fixed, guards)
     return program
 
 

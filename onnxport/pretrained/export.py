@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +17,7 @@ import torch
 from .._core.axes import second_size
 from .._core.io import check_output_folder, write_text_atomic
 from ..engine import output_folder_stage
-from ..errors import ExportRefusedError, InvalidArgumentError, check_choice
+from ..errors import ExportRefusedError, FixedAxesError, FixedShapeWarning, InvalidArgumentError, check_choice
 from .calibration import calibration_batches
 from .inputs import Signature, build_signature
 from .source import COMPANION_FILES, TIMM_PREFIX, Loaded, load_folder, load_module, load_timm
@@ -95,8 +96,15 @@ def _extra_kwargs(model: torch.nn.Module) -> dict[str, Any]:
 
 def _output_fields(loaded: Loaded, signature: Signature, extra: dict[str, Any]) -> list[str]:
     """The task's output fields the model returns (every tensor field when the task names none)."""
-    with torch.no_grad():
-        out = loaded.model(**signature.as_dict(), **extra)
+    try:
+        with torch.no_grad():
+            out = loaded.model(**signature.as_dict(), **extra)
+    except Exception as error:  # the model's own check or shape error, whatever its type
+        shapes = ", ".join(f"{name} {list(value.shape)}" for name, value in signature.as_dict().items())
+        raise ExportRefusedError(
+            f"{loaded.description} does not run on the example inputs built from its config ({shapes}): "
+            f"{type(error).__name__}: {error}. Nothing was written; export it with export_onnx and inputs it "
+            f"accepts (a family that needs a fixed length or extra inputs).") from error
     items = out.items() if hasattr(out, "items") else []
     tensors = [name for name, value in items if isinstance(value, torch.Tensor)]
     if not tensors:
@@ -126,7 +134,8 @@ def _prove_float(wrapper: TaskOutputs, path: Path, signature: Signature) -> list
     feeds = {n: t.numpy() for n, t in signature.as_dict().items()}
     grown = {n: torch.from_numpy(v) for n, v in second_size(feeds, signature.axes).items()}
     labels = ("sample", "one longer on every symbolic axis")
-    samples = [signature.as_dict(), grown]
+    # a file without symbolic axes has one size
+    samples = [signature.as_dict(), grown] if any(signature.axes.values()) else [signature.as_dict()]
     proofs = []
     for label, sample, report in zip(labels, samples, compare_onnx_sizes(wrapper, path, samples, rounding_floor=True)):
         proofs.append(_proof_record(label, sample, report))
@@ -218,8 +227,8 @@ def export_pretrained(
 
     with output_folder_stage(folder) as stage:
         path = stage / MODEL_FILE
-        quantization, proofs = _write(wrapper, loaded.task, signature, path, quantize=quantize, batches=batches,
-                                      target=target, opset_version=opset_version)
+        quantization, proofs = _write_fixing_axes(wrapper, loaded.task, signature, path, quantize=quantize,
+                                                  batches=batches, target=target, opset_version=opset_version)
         if loaded.folder is not None:
             for name in COMPANION_FILES:
                 if (loaded.folder / name).is_file():
@@ -230,15 +239,40 @@ def export_pretrained(
     return result
 
 
+def _write_fixing_axes(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, **options: Any
+                       ) -> tuple[dict | None, list]:
+    """:func:`_write`; where torch.export proves that the model's code fixes an axis the front door
+    made symbolic (``len(tensor)`` on the batch, a table built for one length), the file is written
+    once more with that axis at the sample's size, with a :class:`FixedShapeWarning` naming it and
+    the line of model code, and ``signature.axes`` without it (the record says so)."""
+    try:
+        return _write(wrapper, task, signature, path, **options)
+    except FixedAxesError as error:
+        labels = set(error.fixed)
+        if not labels:
+            raise
+        fixed = {name: {axis: label for axis, label in spec.items() if label in labels}
+                 for name, spec in signature.axes.items()}
+        sizes = {f"{name!r} axis {axis} ({label!r})": int(signature.as_dict()[name].shape[axis])
+                 for name, spec in fixed.items() for axis, label in spec.items()}
+        warnings.warn(f"{error} The file is written with {', '.join(f'{k} = {v}' for k, v in sizes.items())} "
+                      f"fixed instead; it accepts inputs of that size only.", FixedShapeWarning, stacklevel=3)
+        signature.axes = {name: {axis: label for axis, label in spec.items() if label not in labels}
+                          for name, spec in signature.axes.items()}
+        return _write(wrapper, task, signature, path, **options)
+
+
 def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *, quantize: str | None,
            batches: list | None, target: str | None, opset_version: int | None) -> tuple[dict | None, list]:
     """Write the file at ``path`` by the exporter its precision needs, and prove it."""
     from ..exporters.float import export_onnx
 
     sample = signature.as_dict()
+    # the batch stays symbolic unless the model's code fixes it (_write_fixing_axes)
+    batch = any(0 in spec for spec in signature.axes.values())
     if quantize is None:
         export_onnx(wrapper, sample, path, opset_version=opset_version or 17, dynamic_axes=signature.axes,
-                    output_names=signature.outputs)
+                    dynamic_batch=batch, output_names=signature.outputs)
         return None, _prove_float(wrapper, path, signature)
     from ..exporters.qdq import export_qdq
     from ..quantize import Quantizer
@@ -246,14 +280,16 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
     if quantize in WEIGHT_ONLY:
         return _write_weight_only(wrapper, signature, path, quantize, opset_version)
     if quantize == "dynamic":
-        quantized = Quantizer(activations="dynamic").quantize(wrapper, [sample], dynamic_axes=signature.axes)
+        quantized = Quantizer(activations="dynamic").quantize(wrapper, [sample], dynamic_axes=signature.axes,
+                                                                 dynamic_batch=batch)
         export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
-                   dynamic_batch=True)
+                   dynamic_batch=batch)
         return ({"scheme": "pt2e dynamic INT8 (activations quantized at run time)"},
                 [_prove_qdq(quantized, path, sample, optimized=True)])
-    quantized = Quantizer(target=target or "onnxruntime").quantize(wrapper, batches, dynamic_axes=signature.axes)
+    quantized = Quantizer(target=target or "onnxruntime").quantize(wrapper, batches, dynamic_axes=signature.axes,
+                                                                            dynamic_batch=batch)
     export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
-               dynamic_batch=True)
+               dynamic_batch=batch)
     return ({"scheme": "pt2e static INT8", "target": target or "onnxruntime", "calibration_batches": len(batches or [])},
             [_prove_qdq(quantized, path, sample)])
 

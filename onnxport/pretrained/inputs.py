@@ -20,6 +20,8 @@ from .tasks import Task
 #: sequence, one second of audio.
 BATCH, MEDIA_BATCH, SEQUENCE, CHOICES, TEXTS = 2, 1, 16, 2, 3
 AUDIO_SECONDS = 1.0
+#: one second of feature frames at the usual 10 ms hop
+FEATURE_FRAMES = 100
 DEFAULT_SAMPLING_RATE = 16000
 
 
@@ -60,13 +62,53 @@ def modality_of(model: torch.nn.Module, task: Task) -> str:
     return {"pixel_values": "vision", "input_values": "audio", "input_features": "audio"}.get(main, "text")
 
 
-def _tokens(config: Any, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+def _token_id(config: Any, *names: str) -> int | None:
+    """The first of the config's special token ids ``names`` it sets (a list's first entry)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, int) and value >= 0:
+            return value
+    return None
+
+
+def _special_ids(config: Any) -> set[int]:
+    names = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+             "unk_token_id", "decoder_start_token_id")
+    ids: set[int] = set()
+    for name in names:
+        value = getattr(config, name, None)
+        ids.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    return ids
+
+
+def _tokens(config: Any, mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Token ids laid out as a tokenizer lays them out, so a model that reads its special tokens
+    (pooling at the last end-of-sequence token, or at the last token that is not padding) finds
+    them: the start token first, the end token at each row's last unmasked position, the padding
+    id where the mask is 0, and no special id among the words."""
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 2:
         raise InvalidArgumentError("The model's config gives no vocab_size, so no token ids can be made for it.")
     # ids above the special tokens most vocabularies start with; the same ids in every run
     low = min(5, vocab - 1)
-    return torch.randint(low, vocab, shape, generator=generator)
+    ids = torch.randint(low, vocab, tuple(mask.shape), generator=generator)
+    special = _special_ids(config)
+    words = [i for i in range(low, min(vocab, low + len(special) + 1)) if i not in special]
+    for value in special & set(range(low, vocab)):
+        if words:
+            ids[ids == value] = words[0]
+    start, end = _token_id(config, "cls_token_id", "bos_token_id"), _token_id(config, "sep_token_id", "eos_token_id")
+    pad = _token_id(config, "pad_token_id")
+    if start is not None and start < vocab:
+        ids[..., 0] = start
+    if end is not None and end < vocab:
+        last = (mask * torch.arange(mask.shape[-1])).argmax(-1, keepdim=True)
+        ids.scatter_(-1, last, end)
+    if pad is not None and pad < vocab:
+        ids[mask == 0] = pad
+    return ids
 
 
 def _sequence(config: Any) -> int:
@@ -77,9 +119,12 @@ def _sequence(config: Any) -> int:
 
 def _text(model: torch.nn.Module, config: Any, shape: tuple[int, ...], generator: torch.Generator,
           batch: str, axes_of_text: dict[int, str]) -> Signature:
-    ids = _tokens(config, shape, generator)
     mask = torch.ones(shape, dtype=torch.long)
-    mask[..., -3:][0] = 0  # the first row padded: the mask is part of what the file computes
+    # the first row padded: the mask is part of what the file computes; every row's last position
+    # too, so the second size (the last position repeated) adds padding, not a second end token
+    mask[0, ..., -3:] = 0
+    mask[..., -1] = 0
+    ids = _tokens(config, mask, generator)
     names, sample = ["input_ids"], [ids]
     if _accepts(model, "attention_mask"):
         names.append("attention_mask")
@@ -126,6 +171,23 @@ def _spectrogram(model: torch.nn.Module, config: Any, generator: torch.Generator
     return None
 
 
+def _frame_features(model: torch.nn.Module, config: Any, generator: torch.Generator) -> Signature | None:
+    """Audio models that read features of any length ``[batch, frames, features]`` (Wav2Vec2-BERT's
+    stacked filter banks, Parakeet's mel bins): one second of frames, batch and frames symbolic;
+    ``None`` for a waveform model."""
+    if getattr(model, "main_input_name", None) != "input_features":
+        return None
+    width = getattr(config, "feature_projection_input_dim", None)
+    if not isinstance(width, int):
+        width = getattr(_sub(config, "encoder_config"), "num_mel_bins", None)
+    if not isinstance(width, int):
+        raise InvalidArgumentError(
+            f"{type(model).__name__} reads input_features, but its config names neither their width "
+            f"(feature_projection_input_dim, num_mel_bins); export it with export_onnx and example inputs.")
+    features = torch.randn(MEDIA_BATCH, FEATURE_FRAMES, width, generator=generator)
+    return Signature(["input_features"], [features], {"input_features": {0: "batch", 1: "frames"}})
+
+
 def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[str, Any] | None = None) -> Signature:
     """The example inputs and symbolic axes of ``model`` for ``task`` (no output names yet)."""
     config = model.config
@@ -137,11 +199,15 @@ def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[st
         return _text(model, config, (BATCH, CHOICES, _sequence(config)), generator, "batch",
                      {0: "batch", 1: "choices", 2: "sequence"})
     if modality == "vision":
-        return Signature(["pixel_values"], [_pixels(config, MEDIA_BATCH, generator)], {"pixel_values": {0: "batch"}})
+        return Signature(["pixel_values"], [_pixels(_sub(config, "vision_config"), MEDIA_BATCH, generator)],
+                         {"pixel_values": {0: "batch"}})
     if modality == "audio":
         spectrogram = _spectrogram(model, config, generator)
         if spectrogram is not None:
             return spectrogram
+        frames = _frame_features(model, config, generator)
+        if frames is not None:
+            return frames
         rate = (preprocessor or {}).get("sampling_rate", DEFAULT_SAMPLING_RATE)
         samples = int(rate * AUDIO_SECONDS)
         return Signature(["input_values"], [torch.randn(MEDIA_BATCH, samples, generator=generator) * 0.1],

@@ -119,12 +119,19 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
     return Loaded(model.eval(), task, folder, f"{type(model).__name__} from '{folder}'", _preprocessor(folder))
 
 
-def _takes_pixels(config: Any) -> bool:
-    """Whether the model family reads pixels, by transformers' own table of vision models (a bare
-    vision model's task is then image-feature-extraction, not feature-extraction)."""
+def _takes_pixels(config: Any, architectures: list[str] | None = None) -> bool:
+    """Whether the model reads pixels, by transformers' own table of vision models or its
+    architecture's main input (a vision tower saved alone, as CLIP's, is in no table): a bare
+    vision model's task is then image-feature-extraction, not feature-extraction."""
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_MAPPING_NAMES
 
-    return getattr(config, "model_type", "") in MODEL_FOR_IMAGE_MAPPING_NAMES
+    if getattr(config, "model_type", "") in MODEL_FOR_IMAGE_MAPPING_NAMES:
+        return True
+    architectures = architectures or getattr(config, "architectures", None) or []
+    # transformers' own class attribute; nothing from the folder runs
+    classes = [getattr(transformers, name, None) for name in architectures if isinstance(name, str)]
+    return any(getattr(c, "main_input_name", None) == "pixel_values" for c in classes if c is not None)
 
 
 def load_timm(spec: str, weights: str | os.PathLike | None) -> Loaded:
@@ -170,7 +177,8 @@ def load_module(model: torch.nn.Module, task_name: str) -> Loaded:
             f"transformers config. Use export_onnx(model, sample, path) for your own module."
         )
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
-    task = infer_task(architectures, vision=_takes_pixels(config), where=f"this {type(model).__name__}") \
+    task = infer_task(architectures, vision=_takes_pixels(config, architectures),
+                      where=f"this {type(model).__name__}") \
         if task_name == "auto" else get_task(task_name)
     return Loaded(model, task, None, type(model).__name__)
 

@@ -150,7 +150,7 @@ def capture_program(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dy
     """torch.export ``model`` as one graph, with a symbolic batch (``dynamic_batch``) and the
     symbolic ``dynamic_axes`` (by ``names``, the keyword names, or ``input``/``input_<i>``);
     the captured axes are kept in the graph's meta for ``export_qdq``."""
-    from .._core.axes import capture_with_axes, fixed_in_capture, resolve_axes, specialized_sentence, tracing_inputs
+    from .._core.axes import capture_with_axes, fixed_in_capture, resolve_axes, specialized_error, tracing_inputs
     from .._core.capture import default_names
     from .._core.inputs import forward_aliases
     from .._core.torch_helpers import without_kv_cache
@@ -188,7 +188,7 @@ def capture_program(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dy
     module = exported.module(check_guards=False)
     fixed = fixed_in_capture(module, names, axes)
     if fixed:
-        raise InvalidArgumentError(specialized_sentence(model, axes, fixed, guards))
+        raise specialized_error(model, axes, fixed, guards)
     module.meta[AXES_KEY] = [axes.get(name, {}) for name in names]
     asked = resolve_axes(dynamic_axes, dynamic_batch=False, names=names, inputs=inputs,
                          aliases=forward_aliases(model, names, keywords)) if dynamic_axes else {}

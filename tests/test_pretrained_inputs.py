@@ -1,0 +1,174 @@
+"""The front door's example inputs and its answers to model code that does not fit them: token ids laid
+out as a tokenizer lays them out, sizes read from a composite config, feature frames of any
+length, a length cache set aside, an axis the model's code fixes written fixed (and said so), and a
+model that does not run on its example refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import onnx
+import pytest
+import torch
+import transformers
+
+from onnxport import export_pretrained
+from onnxport._core.adapters import adapter_for
+from onnxport._core.axes import second_size
+from onnxport.errors import ExportRefusedError, FixedShapeWarning
+from onnxport.pretrained.inputs import build_signature
+from onnxport.pretrained.tasks import get_task
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+IMAGE = {**SMALL, "image_size": 32, "patch_size": 8}
+
+
+def _built(config_class: str, model_class: str, **options) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**options)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def _both_sizes(signature) -> list[dict[str, torch.Tensor]]:
+    feeds = {n: t.numpy() for n, t in signature.as_dict().items()}
+    return [signature.as_dict(), {n: torch.from_numpy(v) for n, v in second_size(feeds, signature.axes).items()}]
+
+
+def test_token_ids_carry_the_special_tokens_where_a_tokenizer_puts_them():
+    # BART's classifier pools at the last end-of-sequence token and raises on a row without one
+    bart = _built("BartConfig", "BartForSequenceClassification", d_model=32, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                  vocab_size=100, max_position_embeddings=64, num_labels=3)
+    signature = build_signature(bart, get_task("text-classification"))
+    config = bart.config
+    for sample in _both_sizes(signature):
+        ids, mask = sample["input_ids"], sample["attention_mask"]
+        assert (ids[:, 0] == config.bos_token_id).all() and (ids[mask == 0] == config.pad_token_id).all()
+        last = mask.sum(-1) - 1
+        assert (ids[torch.arange(len(ids)), last] == config.eos_token_id).all()
+        words = ids[:, 1:][(mask[:, 1:] == 1) & (torch.arange(1, ids.shape[1]) < last[:, None])]
+        assert not set(words.tolist()) & {config.bos_token_id, config.eos_token_id, config.pad_token_id}
+        with torch.no_grad():
+            assert bart(**sample).logits.shape == (len(ids), 3)
+    # a decoder's classifier pools at its last token that is not padding: the padded row gives what
+    # the same row gives unpadded
+    llama = _built("LlamaConfig", "LlamaForSequenceClassification", **SMALL, num_key_value_heads=2, vocab_size=100,
+                   max_position_embeddings=64, pad_token_id=0, num_labels=3)
+    sample = build_signature(llama, get_task("text-classification")).as_dict()
+    length = int(sample["attention_mask"][0].sum())
+    with torch.no_grad():
+        padded = llama(**sample).logits[0]
+        alone = llama(input_ids=sample["input_ids"][:1, :length]).logits[0]
+    torch.testing.assert_close(padded, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_a_composite_models_images_have_its_vision_configs_size():
+    model = _built("SiglipConfig", "SiglipForImageClassification", vision_config=IMAGE, num_labels=3,
+                   text_config={**SMALL, "vocab_size": 100})
+    signature = build_signature(model, get_task("image-classification"))
+    assert list(signature.sample[0].shape) == [1, 3, 32, 32]
+    with torch.no_grad():
+        assert model(**signature.as_dict()).logits.shape == (1, 3)
+
+
+def test_feature_frames_of_any_length_are_made_from_the_features_width():
+    model = _built("Wav2Vec2BertConfig", "Wav2Vec2BertForCTC", **SMALL, feature_projection_input_dim=40,
+                   vocab_size=20, conv_depthwise_kernel_size=3, add_adapter=False)
+    signature = build_signature(model, get_task("automatic-speech-recognition"))
+    assert signature.names == ["input_features"] and signature.axes == {"input_features": {0: "batch", 1: "frames"}}
+    for sample in _both_sizes(signature):
+        with torch.no_grad():
+            assert model(**sample).logits.shape[:2] == sample["input_features"].shape[:2]
+
+
+class _Rotary(torch.nn.Module):
+    """A position table kept with the length it was made for, as Wav2Vec2-Conformer's rotary one is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cached_sequence_length = None
+        self.cached_rotary_positional_embedding = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        if length == self.cached_sequence_length and self.cached_rotary_positional_embedding is not None:
+            return self.cached_rotary_positional_embedding
+        self.cached_sequence_length = length
+        self.cached_rotary_positional_embedding = torch.arange(length, dtype=x.dtype).cos()
+        return self.cached_rotary_positional_embedding
+
+
+class _WithRotary(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _Rotary()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.rotary(x)[None, :, None]
+
+
+def _capture_with_symbolic_length(model: torch.nn.Module) -> torch.export.ExportedProgram:
+    x = torch.randn(1, 12, 4)
+    model(x)  # the front door runs the model once before it captures it
+    length = torch.export.Dim("length", min=2, max=100)
+    return torch.export.export(model, (x,), dynamic_shapes=({1: length},), strict=False)
+
+
+def test_a_length_cache_is_set_aside_so_the_length_stays_symbolic():
+    with pytest.raises(Exception, match="length"):  # the cached length fixes the axis
+        _capture_with_symbolic_length(_WithRotary())
+    model = _WithRotary()
+    adapter_for("wav2vec2-conformer").prepare(model)
+    program = _capture_with_symbolic_length(model)
+    assert model.rotary.cached_rotary_positional_embedding is None  # no traced table left behind
+    x = torch.randn(1, 30, 4)
+    torch.testing.assert_close(program.module()(x), x + torch.arange(30.0).cos()[None, :, None])
+
+
+def _vit(**changes) -> torch.nn.Module:
+    return _built("ViTConfig", "ViTForImageClassification", **IMAGE, num_labels=3, **changes)
+
+
+def test_an_axis_the_models_code_fixes_is_written_fixed_and_said_so(tmp_path):
+    vit = _vit()
+    original = vit.forward
+
+    def forward(pixel_values=None, **kwargs):
+        out = original(pixel_values=pixel_values, **kwargs)
+        out["logits"] = out.logits.reshape(len(pixel_values), -1)  # len() is a Python int: the batch fixed
+        return out
+
+    vit.forward = forward
+    with pytest.warns(FixedShapeWarning, match=r"'pixel_values' axis 0 \('batch'\) = 1 fixed"):
+        result = export_pretrained(vit, tmp_path / "out")
+    graph = onnx.load(str(result.path)).graph
+    assert [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim] == [1, 3, 32, 32]
+    assert result.axes == {"pixel_values": {}} and [p["size"] for p in result.proofs] == ["sample"]
+    assert result.proofs[0]["passed"]
+    record = json.loads((tmp_path / "out" / "onnxport.json").read_text())
+    assert record["inputs"] == [{"name": "pixel_values", "axes": {}}]
+
+
+def test_a_model_that_does_not_run_on_its_example_is_refused_with_nothing_written(tmp_path):
+    vit = _vit()
+
+    def forward(pixel_values=None, **kwargs):
+        raise RuntimeError("this family needs 512 positions")
+
+    vit.forward = forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ExportRefusedError, match=r"does not run on the example inputs built from its config "
+                                                     r"\(pixel_values \[1, 3, 32, 32\]\): RuntimeError: this family"):
+            export_pretrained(vit, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_vision_tower_saved_alone_is_an_image_feature_extractor(tmp_path):
+    from onnxport.pretrained.source import load_folder, load_module
+
+    tower = _built("CLIPVisionConfig", "CLIPVisionModel", **IMAGE)
+    assert load_module(tower, "auto").task.name == "image-feature-extraction"
+    tower.save_pretrained(tmp_path / "tower")
+    assert load_folder(tmp_path / "tower", "auto", trust_remote_code=False).task.name == "image-feature-extraction"
