@@ -283,3 +283,29 @@ def test_a_single_channel_per_channel_weight_is_carried_and_checked(tmp_path, ta
            if n.input[1] in weights]
     assert len(one) == 1 and onnx.numpy_helper.to_array(weights[one[0].input[0]]).shape == (1, 1, 3)
     assert compare_qdq(quantized, path, torch.randn(4, 3, 8, 8)).outputs[0].cosine_similarity > 0.999
+
+
+class _UnreadHead(nn.Module):
+    """A segmentation model's auxiliary head computed and dropped (DPT): its last op is a dropout,
+    which fx keeps though nothing reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.auxiliary = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), nn.Dropout(0.1))
+
+    def forward(self, x):
+        self.auxiliary(x)
+        return self.conv(x)
+
+
+def test_a_branch_no_output_reads_is_no_part_of_the_files_promise(tmp_path):
+    # the pt2e graph keeps the head's quantized conv, the file does not: its weights were counted
+    # "missing" and DPT's INT8 file was refused
+    torch.manual_seed(0)
+    quantized = Quantizer().quantize(_UnreadHead().eval(), [torch.randn(4, 3, 8, 8) for _ in range(2)])
+    assert sum(n.target is torch.ops.aten.dropout.default for n in quantized.graph.nodes) == 1
+    path = export_qdq(quantized, torch.randn(2, 3, 8, 8), tmp_path / "head.onnx", dynamic_batch=True)
+    graph = onnx.load(str(path)).graph
+    assert sum(n.op_type == "Conv" for n in graph.node) == 1 and qdq_stats(path).n_per_channel == 1
+    assert compare_qdq(quantized, path, torch.randn(4, 3, 8, 8)).outputs[0].cosine_similarity > 0.999

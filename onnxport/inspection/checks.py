@@ -20,14 +20,30 @@ _TORCH_TO_ONNX = {torch.int8: onnx.TensorProto.INT8, torch.uint8: onnx.TensorPro
                   torch.int32: onnx.TensorProto.INT32}
 
 
+def _reaching_outputs(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes an output depends on. A pt2e graph can keep a branch nothing reads (a head whose
+    output the model drops, ending in a dropout, which fx does not remove as it counts it
+    impure); the exporter leaves it out of the file, so it is no part of what the file promises."""
+    live: set[torch.fx.Node] = set()
+    pending = [n for n in graph.nodes if n.op == "output"]
+    while pending:
+        node = pending.pop()
+        if node not in live:
+            live.add(node)
+            pending.extend(node.all_input_nodes)
+    return live
+
+
 def pt2e_qdq_nodes(model: torch.nn.Module) -> list[torch.fx.Node]:
-    """The quantized_decomposed nodes of a pt2e graph module (empty for anything else)."""
+    """The quantized_decomposed nodes of a pt2e graph module that its outputs depend on (empty for
+    anything else)."""
     graph = getattr(model, "graph", None)
     if not isinstance(graph, torch.fx.Graph):
         return []
+    live = _reaching_outputs(graph)
     return [
         n for n in graph.nodes
-        if n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed"
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "quantized_decomposed" and n in live
     ]
 
 
