@@ -390,6 +390,12 @@ def _moe(family: str) -> torch.nn.Module:
     if family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**_SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                              head_dim=16)
+    elif family == "deepseek_v3":  # routed and shared experts after a dense layer; MLA's latent cache
+        # its checkpoints give every head its own keys and values, as transformers' MLA expects
+        config = transformers.DeepseekV3Config(**{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                               kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                               v_head_dim=16)
     else:
         config = transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2)
     with warnings.catch_warnings():
@@ -432,19 +438,29 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
     assert agreement >= 0.9, f"{agreement:.1%} of the int4 file's greedy tokens are the torchao model's"
 
 
-@pytest.mark.parametrize("flavour", ["portable", "ort-cpu"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(("family", "flavour"), [("qwen3_moe", "portable"), ("qwen3_moe", "ort-cpu"),
+                                               ("mixtral", "ort-cpu"), ("deepseek_v3", "portable")])
 def test_mixture_of_experts_decoders_generate_what_transformers_generates(family, flavour, tmp_path):
     # transformers' default experts run through a custom operator torch.onnx cannot translate; the
     # export captures its batched implementation and proves the file against the model as it is
-    from onnxport.errors import WeakerCheckWarning
+    from onnxport.errors import OnnxportWarning, WeakerCheckWarning
 
     model = _moe(family)
     default = model.config._experts_implementation
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         warnings.simplefilter("error", WeakerCheckWarning)  # proven on the float floor, in float64 too
-        result = export_decoder(model, tmp_path / "moe.onnx", flavour=flavour)
+        result = export_decoder(model, tmp_path / "moe", flavour=flavour)
     assert model.config._experts_implementation == default  # the model is given back as it was
+    if family == "deepseek_v3":
+        # its cache is the compressed keys and values and their rotary part, one "head" each: the
+        # file carries what the model caches, which onnxruntime-genai cannot allocate
+        graph_inputs = {v.name: v for v in onnx.load_model(str(result), load_external_data=False).graph.input}
+        dims = [[d.dim_param or d.dim_value for d in graph_inputs[f"past_key_values.0.{kind}"].type.tensor_type.shape.dim]
+                for kind in ("key", "value")]
+        assert dims == [["batch", 1, "past_sequence", 16], ["batch", 1, "past_sequence", 8]]
+        assert result.genai_config is None and not (tmp_path / "moe" / "genai_config.json").exists()
+        assert any(issubclass(w.category, OnnxportWarning) and "genai_config" in str(w.message) for w in caught)
     graph = onnx.load_model(str(result), load_external_data=False).graph
     ops = Counter((n.domain, n.op_type) for n in graph.node)
     if flavour == "portable":

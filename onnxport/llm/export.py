@@ -39,6 +39,7 @@ from ..engine import validate_opset
 from ..errors import (
     ExportRefusedError,
     InvalidArgumentError,
+    OnnxportWarning,
     PerformanceWarning,
     RuntimePrecisionWarning,
     WeakerCheckWarning,
@@ -154,8 +155,8 @@ def _sample(shape: DecoderShape, batch: int, length: int, past: int, seed: int) 
     ids = torch.randint(0, shape.vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, past + length, dtype=torch.int64)
     positions = torch.arange(past, past + length).expand(batch, length).contiguous()
-    cache = [(torch.randn(batch, shape.kv_heads, past, shape.head_dim, generator=generator) * 0.5)
-             .to(getattr(torch, shape.cache_dtype)) for _ in range(2 * shape.layers)]
+    cache = [(torch.randn(*size, generator=generator) * 0.5).to(getattr(torch, shape.cache_dtype))
+             for size in shape.cache_shapes(batch, past)]
     return (ids, mask, positions, *cache)
 
 
@@ -195,7 +196,7 @@ def torch_step(model: torch.nn.Module, shape: DecoderShape):
 
 
 def _empty(shape: DecoderShape, batch: int) -> list[np.ndarray]:
-    return [np.zeros((batch, shape.kv_heads, 0, shape.head_dim), shape.cache_dtype) for _ in range(2 * shape.layers)]
+    return [np.zeros(size, shape.cache_dtype) for size in shape.cache_shapes(batch, 0)]
 
 
 def _reference_decoding(model: torch.nn.Module, shape: DecoderShape) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -611,8 +612,7 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     prompt, mask = _proof_prompts(shape)
     prefill = _feeds(shape, prompt, mask, _empty(shape, 2))
     rng = np.random.default_rng(1)
-    step_past = [rng.standard_normal((2, shape.kv_heads, prompt.shape[1], shape.head_dim)).astype(shape.cache_dtype)
-                 for _ in range(2 * shape.layers)]
+    step_past = [rng.standard_normal(size).astype(shape.cache_dtype) for size in shape.cache_shapes(2, prompt.shape[1])]
     step_mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
     decode_feeds = _feeds(shape, job.tokens[:, prompt.shape[1]:prompt.shape[1] + 1], step_mask, step_past)
     fusion = OrtFusionPass(attention=attention)
@@ -746,9 +746,16 @@ def genai_config(shape: DecoderShape, filename: str) -> dict[str, Any]:
     }
 
 
-def _write_folder_extras(folder: Path, file: Path, shape: DecoderShape, source: Path | None) -> Path:
-    config = folder / "genai_config.json"
-    write_bytes_atomic(config, json.dumps(genai_config(shape, file.name), indent=2).encode())
+def _write_folder_extras(folder: Path, file: Path, shape: DecoderShape, source: Path | None) -> Path | None:
+    config: Path | None = folder / "genai_config.json"
+    if shape.plain_cache:
+        write_bytes_atomic(config, json.dumps(genai_config(shape, file.name), indent=2).encode())
+    else:
+        # onnxruntime-genai allocates keys and values of one shape, [heads, head_size]
+        warnings.warn(f"No genai_config.json was written: {shape.model_type}'s cache keeps keys and values of different "
+                      f"shapes (a latent cache), which onnxruntime-genai does not allocate; onnxport's generate runs "
+                      f"the file.", OnnxportWarning, stacklevel=3)
+        config = None
     if source is not None and source.resolve() != folder.resolve():
         for name in TOKENIZER_FILES:
             if (source / name).is_file():

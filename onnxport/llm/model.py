@@ -4,6 +4,7 @@ the exporter captures (flat past key/values in, logits and flat present key/valu
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,21 @@ class DecoderShape:
     pad_token_id: int | None
     #: the cache's (and the logits') element type: the file computes in the model's precision
     cache_dtype: str = "float32"
+    #: the values' heads and width where they differ from the keys' (a latent cache, DeepSeek's
+    #: MLA: one "head" of the compressed keys and values, and the rotary part beside it)
+    value_heads: int | None = None
+    value_dim: int | None = None
+
+    def cache_shapes(self, batch: int, length: int) -> list[tuple[int, int, int, int]]:
+        """Each past (and present) tensor's shape, in the file's order (per layer its key, then its value)."""
+        key = (batch, self.kv_heads, length, self.head_dim)
+        value = (batch, self.value_heads or self.kv_heads, length, self.value_dim or self.head_dim)
+        return [key, value] * self.layers
+
+    @property
+    def plain_cache(self) -> bool:
+        """Keys and values of the same heads and width: the cache onnxruntime-genai allocates."""
+        return (self.value_heads or self.kv_heads) == self.kv_heads and (self.value_dim or self.head_dim) == self.head_dim
 
     @property
     def input_names(self) -> list[str]:
@@ -41,6 +57,31 @@ class DecoderShape:
     @property
     def output_names(self) -> list[str]:
         return [LOGITS, *present_names(self.layers)]
+
+
+def _measured_cache(model: torch.nn.Module, layers: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The heads and width of the keys and of the values the model itself caches, from one
+    two-token step with an empty cache: a config names the attention's heads, and a latent cache
+    (DeepSeek's MLA keeps its compressed keys and values and their rotary part, one "head" each)
+    is not those. ``None`` where the step fails or the layers differ (``check_cache`` then names it)."""
+    from transformers import DynamicCache
+
+    parameter = next(iter(model.parameters()), None)
+    if parameter is None or parameter.device.type == "meta":
+        return None
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                        **{_cache_keyword(model): DynamicCache()})
+        flat = _cache_tensors(_returned_cache(out))
+    except Exception:  # noqa: BLE001 — the config's shape stands, and check_cache refuses by name
+        return None
+    keys, values = {tuple(t.shape) for t in flat[0::2]}, {tuple(t.shape) for t in flat[1::2]}
+    if len(flat) != 2 * layers or len(keys) != 1 or len(values) != 1:
+        return None
+    (key,), (value,) = keys, values
+    return (key[1], key[3]), (value[1], value[3])
 
 
 def _first(config: Any, *names: str) -> Any:
@@ -65,11 +106,18 @@ def decoder_shape(model: torch.nn.Module) -> DecoderShape:
         )
     heads, hidden = int(heads), int(hidden)
     generation = getattr(model, "generation_config", None)
+    kv_heads, head_dim = int(_first(text, "num_key_value_heads") or heads), int(_first(text, "head_dim") or hidden // heads)
+    measured = _measured_cache(model, int(layers))
+    value_heads = value_dim = None
+    if measured is not None:
+        (kv_heads, head_dim), (value_heads, value_dim) = measured
     return DecoderShape(
         model_type=str(getattr(config, "model_type", type(model).__name__)),
         layers=int(layers),
-        kv_heads=int(_first(text, "num_key_value_heads") or heads),
-        head_dim=int(_first(text, "head_dim") or hidden // heads),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        value_heads=value_heads if value_heads != kv_heads else None,
+        value_dim=value_dim if value_dim != head_dim else None,
         heads=heads,
         hidden=hidden,
         vocab=int(text.vocab_size),
@@ -152,6 +200,22 @@ def _check_causal_config(config: Any, what: str) -> Any:
     return AutoModelForCausalLM
 
 
+def _cache_keyword(forward: Any) -> str:
+    """The name ``forward`` takes its cache by: transformers renames ``past_key_values`` to ``cache``
+    family by family (the old name warns, and goes in 5.40)."""
+    target = forward.forward if isinstance(forward, torch.nn.Module) else forward
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _returned_cache(output: Any) -> Any:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -179,8 +243,8 @@ def cached_call(model: torch.nn.Module, layers: int, input_ids: torch.Tensor, at
     for i in range(layers):
         cache.update(past[2 * i], past[2 * i + 1], i)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True)
-    return (out.logits, *_cache_tensors(out.past_key_values))
+                use_cache=True, **{_cache_keyword(model): cache})
+    return (out.logits, *_cache_tensors(_returned_cache(out)))
 
 
 @contextlib.contextmanager
@@ -203,7 +267,7 @@ def cached_forward(model: torch.nn.Module, shape: DecoderShape) -> Iterator[torc
 
 def check_cache(model: torch.nn.Module, shape: DecoderShape, sample: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Run the model once on ``sample`` and refuse an attention whose cache the file cannot carry
-    as ``[batch, kv_heads, past + sequence, head_dim]`` keys and values per layer."""
+    as ``[batch, heads, past + sequence, width]`` keys and values per layer (``shape.cache_shapes``)."""
     batch, length = sample[0].shape
     past = sample[3].shape[2]
     try:
@@ -220,13 +284,13 @@ def check_cache(model: torch.nn.Module, shape: DecoderShape, sample: tuple[torch
             f"({type(error).__name__}: {str(error).strip()[:200]}), so neither flavour can express its "
             f"attention; nothing was written."
         ) from error
-    expected = (batch, shape.kv_heads, past + length, shape.head_dim)
+    expected = shape.cache_shapes(batch, past + length)
     present = outputs[1:]
-    if len(present) != 2 * shape.layers or any(tuple(t.shape) != expected for t in present):
+    if len(present) != 2 * shape.layers or any(tuple(t.shape) != e for t, e in zip(present, expected)):
         got = sorted({tuple(t.shape) for t in present})
         raise ExportRefusedError(
             f"{type(model).__name__}'s cache is not {shape.layers} layers of keys and values shaped "
-            f"[batch, kv_heads, past + sequence, head_dim] = {list(expected)} (it gave {len(present)} tensors "
+            f"[batch, heads, past + sequence, width] = {sorted(set(expected))} (it gave {len(present)} tensors "
             f"shaped {got}); neither flavour can express that attention, and nothing was written."
         )
     return list(outputs)
