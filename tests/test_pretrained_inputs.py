@@ -5,6 +5,7 @@ model that does not run on its example refused before anything is written."""
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
@@ -124,6 +125,12 @@ def test_a_length_cache_is_set_aside_so_the_length_stays_symbolic():
     assert model.rotary.cached_rotary_positional_embedding is None  # no traced table left behind
     x = torch.randn(1, 30, 4)
     torch.testing.assert_close(program.module()(x), x + torch.arange(30.0).cos()[None, :, None])
+    # a deep copy (pt2e's capture makes one) sets aside its own table, never the original's
+    model.rotary.cached_sequence_length = "the original's"
+    copied = copy.deepcopy(model)
+    copied.rotary.cached_sequence_length = None
+    _capture_with_symbolic_length(copied)
+    assert model.rotary.cached_sequence_length == "the original's"
 
 
 def _vit(**changes) -> torch.nn.Module:

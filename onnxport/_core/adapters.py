@@ -101,12 +101,11 @@ def _finite_guard_as_data_flow(model: torch.nn.Module) -> None:
     exactly when the model would (a layer whose test is not its last step would be wrong here:
     a layer that does not ask it exactly once in float16 is refused)."""
     for layer in _encoder_layers(model):
-        original = layer.forward
-
-        def forward(self: torch.nn.Module, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
+        # the class's forward, called on ``self``: a deep copy of the model runs its own weights
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             mode = _AllFiniteAnswered()
             with mode:
-                output = _original(*args, **kwargs)
+                output = type(self).forward(self, *args, **kwargs)
             hidden = output[0] if isinstance(output, tuple) else output
             if hidden.dtype != torch.float16:
                 return output
@@ -136,14 +135,14 @@ def _without_length_cache(model: torch.nn.Module) -> None:
         if not hasattr(module, "cached_sequence_length"):
             continue
         cached = [name for name in vars(module) if name.startswith("cached_")]
-        original = module.forward
 
-        def forward(self: torch.nn.Module, *args: Any, _original: Callable = original, _cached: list = cached,
-                    **kwargs: Any) -> Any:
+        # the class's forward, called on ``self``: a deep copy of the model (pt2e's capture makes
+        # one) sets aside its own table, not the original's
+        def forward(self: torch.nn.Module, *args: Any, _cached: list = cached, **kwargs: Any) -> Any:
             for name in _cached:
                 setattr(self, name, None)
             try:
-                return _original(*args, **kwargs)
+                return type(self).forward(self, *args, **kwargs)
             finally:
                 for name in _cached:
                     setattr(self, name, None)
