@@ -226,3 +226,18 @@ def test_model_over_2gb_is_written_with_external_data(tmp_path):
     with torch.no_grad():
         ref = model(x).numpy()
     np.testing.assert_allclose(ONNXModel(path).run_numpy(x)[0], ref, rtol=1e-3, atol=1e-3)
+
+
+class _CheckedInput(torch.nn.Module):
+    """A data check written as transformers writes them (``torch._check`` on a tensor, RT-DETRv2)."""
+
+    def forward(self, x):
+        torch._check_tensor_all(x.abs() >= 0, lambda: "magnitudes are never negative")
+        return x * 2
+
+
+def test_a_data_check_on_a_tensor_leaves_nothing_in_the_file(tmp_path):
+    # torch.onnx drops the assertion but kept the all-true test it reads, which it cannot translate
+    path = export_onnx(_CheckedInput().eval(), SAMPLE, tmp_path / "checked.onnx")
+    assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["Mul"]
+    np.testing.assert_array_equal(ONNXModel(path)(SAMPLE.numpy()), SAMPLE.numpy() * 2)

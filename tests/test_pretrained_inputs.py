@@ -179,3 +179,21 @@ def test_a_vision_tower_saved_alone_is_an_image_feature_extractor(tmp_path):
     assert load_module(tower, "auto").task.name == "image-feature-extraction"
     tower.save_pretrained(tmp_path / "tower")
     assert load_folder(tmp_path / "tower", "auto", trust_remote_code=False).task.name == "image-feature-extraction"
+
+
+def test_inputs_follow_what_the_model_reads_not_only_its_task():
+    # ImageGPT classifies images given as colour-cluster ids; GroupViT's features take text and images
+    image_gpt = _built("ImageGPTConfig", "ImageGPTForImageClassification", n_embd=32, n_layer=1, n_head=2,
+                       n_positions=64, vocab_size=17, num_labels=3)
+    signature = build_signature(image_gpt, get_task("image-classification"))
+    assert signature.names == ["input_ids", "attention_mask"] and int(signature.sample[0].max()) < 17
+    group_vit = _built("GroupViTConfig", "GroupViTModel", projection_dim=32, projection_intermediate_dim=64,
+                       text_config={**SMALL, "vocab_size": 100},
+                       vision_config={**IMAGE, "depths": [1, 1, 1], "num_group_tokens": [8, 4, 0],
+                                      "num_output_groups": [8, 4, 4]})
+    signature = build_signature(group_vit, get_task("feature-extraction"))
+    assert signature.names == ["input_ids", "attention_mask", "pixel_values"]
+    for model, sample in ((image_gpt, build_signature(image_gpt, get_task("image-classification")).as_dict()),
+                          (group_vit, signature.as_dict())):
+        with torch.no_grad():
+            model(**sample)

@@ -9,6 +9,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -55,6 +56,21 @@ def check_names(names: Sequence[str] | None, count: int, argument: str, prefix: 
     return names
 
 
+def _all_true(x):  # an onnxscript function: traced, its types are the graph's
+    from onnxscript import opset18 as op
+
+    return op.Cast(op.ReduceMin(op.Cast(x, to=6), keepdims=0), to=9)  # int32 minimum over all, as bool
+
+
+def check_translations() -> dict[Any, Any]:
+    """Translations for the operators a data check leaves behind. transformers writes its checks
+    as ``torch._check`` on a tensor (``torch_compilable_check``: RT-DETRv2, D-FINE), which reaches the
+    program as ``_is_all_true`` feeding an ``_assert_async``; torch.onnx removes the assertion but
+    keeps the ``_is_all_true`` it read, which it has no translation for. Translated (a minimum over
+    all elements), it is then unused and the optimizer removes it."""
+    return {torch.ops.aten._is_all_true.default: _all_true}
+
+
 def torch_program(
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -97,7 +113,7 @@ def torch_program(
                 dynamic_shapes=dynamic_shapes,
                 verbose=False,
                 report=False,
-                custom_translation_table=custom_translation_table,
+                custom_translation_table={**check_translations(), **(custom_translation_table or {})},
             )
 
     try:

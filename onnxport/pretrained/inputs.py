@@ -56,9 +56,15 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
 
 
 def modality_of(model: torch.nn.Module, task: Task) -> str:
+    main = getattr(model, "main_input_name", "input_ids")
+    config = getattr(model, "config", None)
+    if main == "input_ids" and _accepts(model, "pixel_values") and getattr(config, "text_config", None) \
+            and getattr(config, "vision_config", None):
+        return "text-vision"  # a text and image model's features (GroupViT), as zero-shot's inputs
+    if task.modality == "vision" and main == "input_ids":
+        return "text"  # images read as token ids (ImageGPT's colour clusters)
     if task.modality is not None and task.name not in ("feature-extraction", "image-feature-extraction"):
         return task.modality
-    main = getattr(model, "main_input_name", "input_ids")
     return {"pixel_values": "vision", "input_values": "audio", "input_features": "audio"}.get(main, "text")
 
 
