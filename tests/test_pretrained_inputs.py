@@ -197,3 +197,16 @@ def test_inputs_follow_what_the_model_reads_not_only_its_task():
                           (group_vit, signature.as_dict())):
         with torch.no_grad():
             model(**sample)
+
+
+def test_a_document_model_takes_word_boxes():
+    layoutlm = _built("LayoutLMConfig", "LayoutLMForSequenceClassification", **SMALL, vocab_size=100,
+                      max_position_embeddings=64, max_2d_position_embeddings=1024, num_labels=3)
+    signature = build_signature(layoutlm, get_task("text-classification"))
+    assert signature.names[-1] == "bbox" and signature.axes["bbox"] == {0: "batch", 1: "sequence"}
+    for sample in _both_sizes(signature):
+        boxes = sample["bbox"]
+        assert boxes.shape == (*sample["input_ids"].shape, 4) and 0 <= int(boxes.min()) and int(boxes.max()) <= 1000
+        assert (boxes[..., 2] >= boxes[..., 0]).all() and (boxes[..., 3] >= boxes[..., 1]).all()
+        with torch.no_grad():
+            layoutlm(**sample)

@@ -138,7 +138,20 @@ def _text(model: torch.nn.Module, config: Any, shape: tuple[int, ...], generator
     if _accepts(model, "token_type_ids") and getattr(config, "type_vocab_size", 0) and config.type_vocab_size > 1:
         names.append("token_type_ids")
         sample.append(torch.zeros(shape, dtype=torch.long))
+    grid = getattr(config, "max_2d_position_embeddings", None)
+    if _accepts(model, "bbox") and isinstance(grid, int) and grid > 1:
+        names.append("bbox")  # a document model's word boxes (LayoutLM, LiLT): x0 <= x1, y0 <= y1
+        sample.append(_boxes(shape, min(grid, 1001), generator))
     return Signature(names, sample, {name: dict(axes_of_text) for name in names})
+
+
+def _boxes(shape: tuple[int, ...], grid: int, generator: torch.Generator) -> torch.Tensor:
+    """Word boxes ``[..., 4]`` (x0, y0, x1, y1) on a ``grid`` of positions (transformers' document
+    models take coordinates normalised to 0-1000)."""
+    half = max(grid // 2, 1)
+    corner = torch.randint(0, half, (*shape, 2), generator=generator)
+    size = torch.randint(0, grid - half, (*shape, 2), generator=generator)
+    return torch.cat([corner, corner + size], dim=-1)
 
 
 def _image_size(config: Any) -> tuple[int, int, int]:
