@@ -37,11 +37,13 @@ class FixedAxesError(InvalidArgumentError):
 
     Attributes:
         fixed: the axes' labels and the size the code fixes each to.
+        reason: the finding alone (which axes, the line of model code), without the advice.
     """
 
-    def __init__(self, message: str, fixed: dict[str, int]) -> None:
+    def __init__(self, message: str, fixed: dict[str, int], reason: str = "") -> None:
         super().__init__(message)
         self.fixed = dict(fixed)
+        self.reason = reason or message
 
 
 class ExportRefusedError(OnnxportError, RuntimeError):

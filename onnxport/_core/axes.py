@@ -297,11 +297,11 @@ def specialized_error(model: Any, axes: Axes, static: Mapping[str, int], message
     for label, size in static.items():
         where = [f"{name!r} axis {axis}" for name, spec in axes.items() for axis, lb in spec.items() if lb == label]
         parts.append(f"{' and '.join(where)} ({label!r}) to {size}")
-    return FixedAxesError(
-        f"torch.export proves that {type(model).__name__} fixes the size of {'; '.join(parts)}"
-        f"{_where(message, list(static.values()))}: the model's code turns that size into a constant (a mask or cache "
-        f"built with a Python int, a check against a fixed length), so the file cannot accept other sizes. Leave "
-        f"that axis out of dynamic_axes, or make the model compute it from the input's shape.", dict(static))
+    reason = (f"torch.export proves that {type(model).__name__} fixes the size of {'; '.join(parts)}"
+              f"{_where(message, list(static.values()))}: the model's code turns that size into a constant (a mask or "
+              f"cache built with a Python int, a check against a fixed length)")
+    return FixedAxesError(f"{reason}, so the file cannot accept other sizes. Leave that axis out of dynamic_axes, or "
+                          f"make the model compute it from the input's shape.", dict(static), reason)
 
 
 # -- files ----------------------------------------------------------------------------------

@@ -255,7 +255,7 @@ def _write_fixing_axes(wrapper: TaskOutputs, task: Task, signature: Signature, p
                  for name, spec in signature.axes.items()}
         sizes = {f"{name!r} axis {axis} ({label!r})": int(signature.as_dict()[name].shape[axis])
                  for name, spec in fixed.items() for axis, label in spec.items()}
-        warnings.warn(f"{error} The file is written with {', '.join(f'{k} = {v}' for k, v in sizes.items())} "
+        warnings.warn(f"{error.reason}. The file is written with {', '.join(f'{k} = {v}' for k, v in sizes.items())} "
                       f"fixed instead; it accepts inputs of that size only.", FixedShapeWarning, stacklevel=3)
         signature.axes = {name: {axis: label for axis, label in spec.items() if label not in labels}
                           for name, spec in signature.axes.items()}
