@@ -68,25 +68,21 @@ def modality_of(model: torch.nn.Module, task: Task) -> str:
     return {"pixel_values": "vision", "input_values": "audio", "input_features": "audio"}.get(main, "text")
 
 
+def _ids_of(config: Any, name: str) -> list[int]:
+    """The token ids a config sets under ``name`` (one, a list, or none)."""
+    value = getattr(config, name, None)
+    return [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int) and v >= 0]
+
+
 def _token_id(config: Any, *names: str) -> int | None:
     """The first of the config's special token ids ``names`` it sets (a list's first entry)."""
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if isinstance(value, int) and value >= 0:
-            return value
-    return None
+    return next((ids[0] for ids in (_ids_of(config, name) for name in names) if ids), None)
 
 
 def _special_ids(config: Any) -> set[int]:
     names = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
              "unk_token_id", "decoder_start_token_id")
-    ids: set[int] = set()
-    for name in names:
-        value = getattr(config, name, None)
-        ids.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
-    return ids
+    return {i for name in names for i in _ids_of(config, name)}
 
 
 def _tokens(config: Any, mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
