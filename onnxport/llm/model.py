@@ -74,7 +74,7 @@ def _measured_cache(model: torch.nn.Module, layers: int) -> tuple[tuple[int, int
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
                         **{_cache_keyword(model): DynamicCache()})
-        flat = _cache_tensors(_returned_cache(out))
+        flat = _cache_tensors(returned_cache(out))
     except Exception:  # noqa: BLE001 — the config's shape stands, and check_cache refuses by name
         return None
     keys, values = {tuple(t.shape) for t in flat[0::2]}, {tuple(t.shape) for t in flat[1::2]}
@@ -211,7 +211,8 @@ def _cache_keyword(forward: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _returned_cache(output: Any) -> Any:
+def returned_cache(output: Any) -> Any:
+    """The cache a transformers output returns (``cache`` where the family renamed ``past_key_values``)."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else output.past_key_values
 
@@ -244,7 +245,7 @@ def cached_call(model: torch.nn.Module, layers: int, input_ids: torch.Tensor, at
         cache.update(past[2 * i], past[2 * i + 1], i)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=True, **{_cache_keyword(model): cache})
-    return (out.logits, *_cache_tensors(_returned_cache(out)))
+    return (out.logits, *_cache_tensors(returned_cache(out)))
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import ExportRefusedError, InvalidArgumentError
+from .model import returned_cache
 from .names import (
     ATTENTION_MASK,
     ENCODER_ATTENTION_MASK,
@@ -142,11 +143,6 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _returned_cache(output: Any) -> Any:
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
-
-
 def _pairs(cache: Any) -> list[torch.Tensor]:
     flat: list[torch.Tensor] = []
     for layer in getattr(cache, "layers", ()):
@@ -197,7 +193,7 @@ def decoder_call(model: Any, layers: int, hidden_size: int, input_ids: torch.Ten
     masks = {} if encoder_attention_mask is None else {"attention_mask": encoder_attention_mask}
     output = model(encoder_outputs=BaseModelOutput(last_hidden_state=stand_in), decoder_input_ids=input_ids,
                    use_cache=True, **{_cache_argument(model): cache}, **masks)
-    return (output.logits, *_pairs(_returned_cache(output).self_attention_cache))
+    return (output.logits, *_pairs(returned_cache(output).self_attention_cache))
 
 
 def start_token(model: Any) -> int:
