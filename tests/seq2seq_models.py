@@ -101,3 +101,33 @@ def whisper(multilingual: bool = True, timestamps: int = 0, init_std: float = 0.
         **({"is_multilingual": True, "lang_to_id": {"<|en|>": t["en"], "<|de|>": t["de"]},
             "task_to_id": {"translate": t["translate"], "transcribe": t["transcribe"]}} if multilingual else {}))
     return model
+
+
+def speech2text() -> torch.nn.Module:
+    """A small Speech2Text: log-mel frames of any length ``[batch, frames, 20]`` with their mask,
+    two stride-2 convolutions (a quarter of the frames reach the encoder layers)."""
+    from transformers import Speech2TextConfig, Speech2TextForConditionalGeneration
+
+    config = Speech2TextConfig(vocab_size=VOCAB, max_source_positions=200, max_target_positions=64,
+                               input_feat_per_channel=20, input_channels=1, num_conv_layers=2, conv_channels=32,
+                               init_std=1.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                               **SMALL)
+    torch.manual_seed(0)
+    return _ending(Speech2TextForConditionalGeneration(config).eval(), 3.0)
+
+
+def moonshine() -> torch.nn.Module:
+    """A small Moonshine: a 16 kHz waveform of any length with its mask, three strided convolutions
+    (one encoder position per 384 samples), rotary positions."""
+    from transformers import MoonshineConfig, MoonshineForConditionalGeneration
+
+    config = MoonshineConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=2,
+                             decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+                             max_position_embeddings=64, initializer_range=1.0, pad_token_id=1, bos_token_id=1,
+                             eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    return _ending(MoonshineForConditionalGeneration(config).eval(), 3.0)
+
+
+#: Speech encoder–decoders of any length, by name.
+SPEECH = {"speech2text": speech2text, "moonshine": moonshine}

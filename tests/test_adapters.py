@@ -57,3 +57,22 @@ def test_a_layer_that_asks_otherwise_is_refused():
     model = FAMILIES["bart"]()
     adapter_for("bart").prepare_half(model)
     assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.isfinite().all()
+
+
+def test_a_waveform_encoders_output_length_is_integer_arithmetic_while_capturing():
+    """Moonshine's encoder computes its output length with float division and int(), which
+    torch.export fixes at the traced length; while capturing it is the convolutions' own integer
+    arithmetic: the same lengths, and the model as it was afterwards."""
+    from .seq2seq_models import SPEECH
+
+    model = SPEECH["moonshine"]()
+    encoder = model.get_encoder()
+    lengths = list(range(895, 8000, 37))  # from the shortest all three convolutions take
+    own = [encoder._get_feat_extract_output_lengths(n) for n in lengths]
+    with torch.no_grad():  # what the convolutions give is the truth both must tell
+        given = [encoder(torch.zeros(1, n)).last_hidden_state.shape[1] for n in lengths[:12]]
+    assert own[:12] == given
+    with adapter_for("moonshine").capturing(model):
+        assert [encoder._get_feat_extract_output_lengths(n) for n in lengths] == own
+        assert encoder._get_feat_extract_output_lengths(torch.tensor(lengths)).tolist() == own
+    assert "_get_feat_extract_output_lengths" not in vars(encoder)
