@@ -279,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     given = [name for name, value in (("--ids", args.ids), ("--text", args.text), ("--audio", args.audio)) if value]
     if len(given) != 1:
         raise UsageError("Give the prompts one way: --ids (token ids), --text (tokenized with the folder's tokenizer) "
-                         "or --audio (a .wav for Whisper).")
+                         "or --audio (a sound file for a speech folder).")
     seq2seq = (folder / "encoder_model.onnx").is_file()
     options: dict[str, Any] = {}
     if seq2seq:
@@ -296,9 +296,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "seed": args.seed}
     if args.audio:
         if not seq2seq:
-            raise UsageError("--audio is for a Whisper folder export_seq2seq wrote.")
-        features = _audio_features(folder, args.audio)
-        tokens = generate(folder, input_features=features, max_new_tokens=args.max_new_tokens, **sampling, **options)
+            raise UsageError("--audio is for a speech folder export_seq2seq wrote (Whisper, Speech2Text, Moonshine).")
+        source = _audio_source(folder, args.audio)
+        tokens = generate(folder, **source, max_new_tokens=args.max_new_tokens, **sampling, **options)
         print("\n".join(_tokenizer(folder).batch_decode(tokens, skip_special_tokens=True)))
         return 0
     if args.text:
@@ -345,8 +345,12 @@ def _tokenizer(folder: Path) -> Any:
                          f"instead, or export from a folder with its tokenizer files.") from error
 
 
-def _audio_features(folder: Path, audio: str) -> Any:
-    """Whisper's log-mel features of a sound file, by the folder's own feature extractor."""
+def _audio_source(folder: Path, audio: str) -> dict[str, Any]:
+    """A sound file as the folder's own feature extractor gives it to the model: log-mel
+    ``input_features`` (Whisper, Speech2Text) or the waveform's ``input_values`` (Moonshine), with
+    its ``attention_mask`` where the encoder takes one."""
+    import json
+
     path = _input_file(audio, "--audio")
     try:
         import soundfile
@@ -363,7 +367,20 @@ def _audio_features(folder: Path, audio: str) -> Any:
     if rate != extractor.sampling_rate:
         raise UsageError(f"'{audio}' is sampled at {rate} Hz and the model takes {extractor.sampling_rate} Hz; "
                          f"resample it first (e.g. ffmpeg -i IN -ar {extractor.sampling_rate} OUT.wav).")
-    return extractor(wave.mean(axis=1), sampling_rate=rate, return_tensors="np")["input_features"]
+    import onnx
+
+    from .llm.names import ENCODER_FILE, SEQ2SEQ_METADATA_KEY
+
+    # the encoder's inputs and record, not its weights (they stay in the data file)
+    encoder = onnx.load(str(folder / ENCODER_FILE), load_external_data=False)
+    takes = [i.name for i in encoder.graph.input]
+    info = json.loads({p.key: p.value for p in encoder.metadata_props}.get(SEQ2SEQ_METADATA_KEY, "{}"))
+    if not info.get("audio"):
+        raise UsageError(f"'{folder}' holds a text model; give --text or --ids, not --audio.")
+    masked = "attention_mask" in takes
+    given = extractor(wave.mean(axis=1), sampling_rate=rate, return_tensors="np",
+                      **({"return_attention_mask": True} if masked else {}))
+    return {name: given[name] for name in takes if name in given}
 
 
 def cmd_qdq(args: argparse.Namespace) -> int:
@@ -531,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt's comma-separated token ids; once per prompt (prints token ids)")
     gen.add_argument("--text", action="append", metavar="TEXT",
                      help="a prompt, tokenized with the folder's tokenizer; once per prompt (prints text)")
-    gen.add_argument("--audio", metavar="FILE.wav", help="Whisper: a sound file at the model's sampling rate")
+    gen.add_argument("--audio", metavar="FILE.wav",
+                     help="a speech folder (Whisper, Speech2Text, Moonshine): a sound file at the model's sampling rate")
     gen.add_argument("--max-new-tokens", type=int, default=None,
                      help="default: 32 (decoder), the generation config's max_length (encoder-decoder)")
     gen.add_argument("--num-beams", type=int, help="encoder-decoder: beam search with this many beams")

@@ -167,7 +167,8 @@ def generate(
     An :func:`~onnxport.llm.export_seq2seq` folder (``encoder_model.onnx`` and
     ``decoder_model.onnx``) is generated with as its ``generation_config.json`` says — greedy,
     sampling or beam search, its forced, suppressed and end tokens — and takes ``input_ids`` and
-    ``attention_mask`` (text) or ``input_features`` (Whisper), ``max_new_tokens`` (default: the
+    ``attention_mask`` (text), ``input_features`` (Whisper; Speech2Text with its ``attention_mask``)
+    or ``input_values`` and ``attention_mask`` (Moonshine), ``max_new_tokens`` (default: the
     config's ``max_length``) and transformers' names for what to change: ``num_beams``,
     ``length_penalty``, ``early_stopping``, ``num_return_sequences``, ``do_sample``,
     ``temperature``, ``top_k``, ``top_p``, ``seed``; Whisper also ``language`` (detected from the

@@ -13,6 +13,8 @@ INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask",
 #: An encoder–decoder's two files, and the names its exports add (as Optimum's seq2seq exports write them).
 ENCODER_FILE, DECODER_FILE = "encoder_model.onnx", "decoder_model.onnx"
 INPUT_FEATURES, ENCODER_ATTENTION_MASK, LAST_HIDDEN_STATE = "input_features", "encoder_attention_mask", "last_hidden_state"
+#: A speech encoder's waveform input (Moonshine), beside ``input_features`` (log-mel frames).
+INPUT_VALUES = "input_values"
 #: The metadata key both encoder–decoder files carry (JSON): what generation needs to know about the model.
 SEQ2SEQ_METADATA_KEY = "onnxport.seq2seq"
 

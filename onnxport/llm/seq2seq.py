@@ -44,6 +44,7 @@ from .search import DecoderStep, Settings, greedy_or_sample, interleave
 from .seq2seq_generate import Encode, ort_decoder, ort_encoder
 from .seq2seq_model import (
     Seq2SeqShape,
+    check_split,
     decoder_call,
     decoder_forward,
     encoder_call,
@@ -163,7 +164,7 @@ def torch_decoder(model: Any, shape: Seq2SeqShape) -> DecoderStep:
         past = tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in interleave(own, cross))
         with torch.no_grad():
             out = decoder_call(model, shape.layers, shape.hidden, torch.from_numpy(ids),
-                               None if mask is None else torch.from_numpy(mask), past)
+                               None if mask is None else torch.from_numpy(mask), past, speech_mask=shape.speech_mask)
         return out[0].numpy(), [t.numpy() for t in out[1:]]
 
     return step
@@ -175,6 +176,8 @@ class _Proof:
 
     source: np.ndarray
     mask: np.ndarray | None
+    #: the decoder's ``encoder_attention_mask``: the source's mask, or a speech encoder's own
+    decoder_mask: np.ndarray | None
     prompt: np.ndarray
     tokens: np.ndarray
     encoder_outputs: list[np.ndarray]
@@ -218,10 +221,11 @@ def _reference(model: Any, shape: Seq2SeqShape, start: int) -> _Proof:
     mask = None if mask_t is None else mask_t.numpy()
     prompt = np.full((2, 1), start, np.int64)
     encoded = torch_encoder(model, shape, start)(source, mask)
+    decoder_mask = shape.decoder_mask(encoded, mask)
     logits: list[np.ndarray] = []
-    tokens = greedy_or_sample(torch_decoder(model, shape), encoded[1:], mask, prompt, _greedy(start),
+    tokens = greedy_or_sample(torch_decoder(model, shape), shape.cross(encoded), decoder_mask, prompt, _greedy(start),
                               on_logits=logits.append)
-    return _Proof(source, mask, prompt, tokens, encoded, logits)
+    return _Proof(source, mask, decoder_mask, prompt, tokens, encoded, logits)
 
 
 def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof, *, owned: bool) -> str | None:
@@ -233,7 +237,8 @@ def _float_floor(model: Any, shape: Seq2SeqShape, start: int, proof: _Proof, *, 
     def run(wide: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
         with eval_mode(wide):
             encoded = torch_encoder(wide, wide_shape, start)(proof.source, proof.mask)
-            return encoded, _forced(torch_decoder(wide, wide_shape), encoded[1:], proof.mask, proof, start)[0]
+            return encoded, _forced(torch_decoder(wide, wide_shape), wide_shape.cross(encoded), proof.decoder_mask, proof,
+                                    start)[0]
 
     wide_run = float64_result(model, run, in_place=owned)
     if isinstance(wide_run, str):
@@ -258,15 +263,17 @@ def _compare(names: list[str], got: list[np.ndarray], ref: list[np.ndarray], flo
 
 
 def _axes(shape: Seq2SeqShape) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, str]]]:
-    """The encoder's and the decoder's symbolic axes (a speech encoder's frames are fixed)."""
-    if shape.audio:
+    """The encoder's and the decoder's symbolic axes (Whisper's frames are fixed; a speech
+    encoder of any length takes ``frames`` or ``samples``)."""
+    if shape.audio and not shape.source_mask:
         encoder = {shape.encoder_inputs[0]: {0: "batch"}}
         cross_axes = {0: "batch"}
     else:
-        encoder = {name: {0: "batch", 1: "source"} for name in shape.encoder_inputs}
+        length = "source" if not shape.audio else "samples" if shape.source_dims == (None,) else "frames"
+        encoder = {name: {0: "batch", 1: length} for name in shape.encoder_inputs}
         cross_axes = {0: "batch", 2: "source"}
     decoder: dict[str, dict[int, str]] = {shape.decoder_inputs[0]: {0: "batch", 1: "sequence"}}
-    if not shape.audio:
+    if shape.source_mask:
         decoder[shape.decoder_inputs[1]] = {0: "batch", 1: "source"}
     for name in shape.past_names:
         decoder[name] = {0: "batch", 2: "past_sequence"} if ".decoder." in name else dict(cross_axes)
@@ -290,10 +297,13 @@ def export_seq2seq(
     (a shared embedding table, from 1 MB) is stored once, in ``encoder_model.onnx.data``, which
     the decoder reads it from (``result.shared_weights``).
 
-    The encoder file takes ``input_ids`` and ``attention_mask`` (speech: ``input_features``) and
+    The encoder file takes ``input_ids`` and ``attention_mask`` (Whisper: ``input_features``;
+    speech of any length: ``input_features`` or ``input_values`` with their ``attention_mask``) and
     gives ``last_hidden_state`` and every decoder layer's cross-attention keys and values
-    (``present.{i}.encoder.key/value``): they depend on the source alone, so they are computed once.
-    The decoder file takes ``input_ids``, ``encoder_attention_mask`` (text) and, per layer,
+    (``present.{i}.encoder.key/value``): they depend on the source alone, so they are computed once;
+    speech of any length also ``encoder_attention_mask``, which of its output positions hold audio,
+    as the model computes it. The decoder file takes ``input_ids``, ``encoder_attention_mask`` (not
+    Whisper) and, per layer,
     ``past_key_values.{i}.decoder.key/value`` (its own cache, empty at the first step) and
     ``past_key_values.{i}.encoder.key/value``; it gives ``logits`` and
     ``present.{i}.decoder.key/value``. Batch, source, sequence and past lengths are symbolic, so
@@ -319,8 +329,10 @@ def export_seq2seq(
             (default 21: int4 and blocked scales are new there).
 
     Returns:
-        A :class:`Seq2SeqFiles`. The proof: two sources (one left-padded; speech: two clips) are
-        encoded by the encoder file and decoded for 8 greedy tokens by the decoder file, fed the
+        A :class:`Seq2SeqFiles`. First, a padded batch run through the two files' forwards apart must
+        give the model's own forward's logits (float32 rounding). The proof: two sources (one
+        padded; Whisper: two clips) are encoded by the encoder file and decoded for 8 greedy tokens
+        by the decoder file, fed the
         model's tokens, at ONNX Runtime's unoptimised level: fp32's encoder outputs and every
         step's logits must lie within the model's own float floor (its float64 run the reference,
         at most 8 times its float32 run's distance from it); fp16's and int4/int8's must reach
@@ -392,6 +404,9 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
     """The models of ``precision`` (the given model is never changed) and the proof's references."""
     weights: list = []
     reference = export = model
+    # the model's own forward against the two files' forwards, before a copy is made from it
+    float_shape = seq2seq_shape(model)
+    check_split(model, float_shape, start)
     if precision == "fp32" and loaded:
         from .export import _own_tensors
 
@@ -424,7 +439,7 @@ def _prepare(model: Any, precision: str, group_size: int, start: int, opset: int
     # what was made from it, or a float16 copy (an int4/int8 copy shares the caller's float tensors)
     owned = list({id(m): m for m in (model, reference, export)}.values()) if loaded else \
         [reference] if precision == "fp16" else []
-    shape = seq2seq_shape(reference)
+    shape = float_shape if reference is model else seq2seq_shape(reference)
     if precision == "fp16":
         shape = dataclasses.replace(shape, cache_dtype="float16")
     proof = _reference(reference, shape, start)
@@ -527,17 +542,17 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
     shape, proof, result = job.shape, job.proof, job.result
     _, axes = _axes(shape)
     generator = torch.Generator().manual_seed(2)
-    cross = [torch.from_numpy(t) for t in proof.encoder_outputs[1:]]
+    cross = [torch.from_numpy(t) for t in shape.cross(proof.encoder_outputs)]
     dtype = getattr(torch, shape.cache_dtype)
     own = [torch.randn(2, shape.heads, 4, shape.head_dim, generator=generator).to(dtype) for _ in cross]
     ids = torch.from_numpy(proof.tokens[:, :3].copy())
-    mask = None if proof.mask is None else torch.from_numpy(proof.mask)
+    mask = None if proof.decoder_mask is None else torch.from_numpy(proof.decoder_mask)
     inputs = (ids, *([] if mask is None else [mask]), *interleave(own, cross))
     present: list = []
 
     def feeds(past: int, length: int) -> dict[str, np.ndarray]:
-        values = [proof.tokens[:, past:past + length].copy(), *([] if proof.mask is None else [proof.mask]),
-                  *interleave([t[:, :, :past].numpy().copy() for t in own], proof.encoder_outputs[1:])]
+        values = [proof.tokens[:, past:past + length].copy(), *([] if mask is None else [proof.decoder_mask]),
+                  *interleave([t[:, :, :past].numpy().copy() for t in own], shape.cross(proof.encoder_outputs))]
         return dict(zip(shape.decoder_inputs, values))
 
     def capture() -> Any:
@@ -558,7 +573,8 @@ def _write_decoder(job: _Job, stage: Path, name: str) -> None:
         levels = {}
         for optimized in (False, True):
             step = ort_decoder(make_session(path) if optimized else unoptimised_session(path))
-            levels[optimized] = _forced(step, encoded[1:], proof.mask, proof, job.start)
+            levels[optimized] = _forced(step, shape.cross(encoded), shape.decoder_mask(encoded, proof.mask), proof,
+                                        job.start)
             del step  # one session's copy of the weights at a time
         reference = proof.wide_logits or proof.logits
         names = _step_names(len(reference))

@@ -18,7 +18,9 @@ from .names import (
     DECODER_FILE,
     ENCODER_ATTENTION_MASK,
     ENCODER_FILE,
+    INPUT_FEATURES,
     INPUT_IDS,
+    INPUT_VALUES,
 )
 from .names import SEQ2SEQ_METADATA_KEY as METADATA_KEY
 from .search import DecoderStep, Settings, interleave, search
@@ -188,6 +190,12 @@ class Seq2SeqGenerator:
                 f"export_seq2seq wrote; export the model again with export_seq2seq."
             )
         self.info: dict[str, Any] = json.loads(meta[METADATA_KEY])
+        audio = bool(self.info["audio"])
+        # a folder written before speech of any length records neither (Whisper's or text's)
+        self.info.setdefault("source", INPUT_FEATURES if audio else INPUT_IDS)
+        self.info.setdefault("source_mask", not audio)
+        if not self.info.get("source_dims"):
+            self.info["source_dims"] = [self.info["mel_bins"], self.info["frames"]] if audio else [None]
         self._encode = ort_encoder(self.encoder)
         self._step = ort_decoder(self.decoder)
 
@@ -197,6 +205,7 @@ class Seq2SeqGenerator:
         attention_mask: Any = None,
         *,
         input_features: Any = None,
+        input_values: Any = None,
         max_new_tokens: int | None = None,
         num_beams: int | None = None,
         do_sample: bool | None = None,
@@ -213,16 +222,27 @@ class Seq2SeqGenerator:
     ) -> np.ndarray:
         """The decoder's tokens for a source batch (see :func:`onnxport.llm.generate`)."""
         info, generation, config = self.info, self.generation, self.config
-        source, mask = self._source(input_ids, attention_mask, input_features)
+        whisper = info["model_type"] == "whisper"
+        if not whisper and (language is not None or task is not None or return_timestamps):
+            raise InvalidArgumentError(
+                f"language, task and return_timestamps are Whisper's (its prompt of language and task tokens); this "
+                f"{info['model_type']} folder takes none of them: leave them out."
+            )
+        source, mask = self._source(input_ids, attention_mask, input_features, input_values)
         settings = Settings.from_config(
             generation, config, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=do_sample,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, length_penalty=length_penalty,
             early_stopping=early_stopping, num_return_sequences=num_return_sequences,
         )
         step = self._step
-        cross = self._encode(source, mask)[1:]
+        encoded = self._encode(source, mask)
+        cross = encoded[1:1 + 2 * int(info["layers"])]
+        speech_mask = info["audio"] and info["source_mask"]
+        # the decoder reads which encoder positions hold the source: the source's own mask, or
+        # the mask a speech encoder of any length computes for its output positions
+        mask = encoded[-1] if speech_mask else mask
         batch = len(source)
-        if info["audio"]:
+        if whisper:
             def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:
                 from .search import _empty_past
 
@@ -241,30 +261,15 @@ class Seq2SeqGenerator:
             )
         return search(step, cross, mask, prompt, settings)
 
-    def _source(self, input_ids: Any, attention_mask: Any, input_features: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    def _source(self, input_ids: Any, attention_mask: Any, input_features: Any,
+                input_values: Any) -> tuple[np.ndarray, np.ndarray | None]:
         info = self.info
         if info["audio"]:
-            if input_features is None or input_ids is not None:
-                raise InvalidArgumentError(
-                    f"This {info['model_type']} folder transcribes speech: give input_features (log-mel features "
-                    f"[batch, {info['mel_bins']}, {info['frames']}], from its feature extractor), not input_ids."
-                )
-            if hasattr(input_features, "detach"):
-                input_features = input_features.detach().cpu().float().numpy()
-            source = np.asarray(input_features, dtype=np.float32)
-            expected = (info["mel_bins"], info["frames"])
-            if source.ndim == 2:
-                source = source[None]
-            if source.ndim != 3 or source.shape[1:] != expected:
-                raise InvalidArgumentError(
-                    f"input_features must be [batch, {expected[0]}, {expected[1]}] log-mel features (the encoder takes "
-                    f"{expected[1]} frames: pad or cut the audio as the feature extractor does), not {list(source.shape)}."
-                )
-            return source, None
-        if input_ids is None or input_features is not None:
+            return self._speech(input_ids, attention_mask, input_features, input_values)
+        if input_ids is None or input_features is not None or input_values is not None:
             raise InvalidArgumentError(
                 f"This {info['model_type']} folder takes text: give input_ids (and attention_mask for padded rows), "
-                f"not input_features."
+                f"not {'input_features' if input_features is not None else 'input_values'}."
             )
         ids = _ids(input_ids, "input_ids")
         mask = np.ones_like(ids) if attention_mask is None else _ids(attention_mask, "attention_mask")
@@ -277,6 +282,49 @@ class Seq2SeqGenerator:
                 f"input_ids holds ids outside the vocabulary [0, {info['vocab']}): {int(ids.min())}…{int(ids.max())}."
             )
         return ids, mask
+
+    def _speech(self, input_ids: Any, attention_mask: Any, input_features: Any,
+                input_values: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """The speech source (and its mask, for an encoder of any length) in the layout the
+        encoder file takes: Whisper's fixed frames, frames of any length, or a waveform."""
+        info = self.info
+        name, dims = info["source"], list(info["source_dims"])
+        given = input_features if name == INPUT_FEATURES else input_values
+        other = input_values if name == INPUT_FEATURES else input_features
+        layout = "[batch, " + ", ".join("frames" if d is None and len(dims) > 1 else "samples" if d is None else str(d)
+                                        for d in dims) + "]"
+        what = "log-mel features" if name == INPUT_FEATURES else "the waveform"
+        if given is None or input_ids is not None or other is not None:
+            raise InvalidArgumentError(
+                f"This {info['model_type']} folder transcribes speech: give {name} ({what} {layout}, from its feature "
+                f"extractor{', with attention_mask for padded rows' if info['source_mask'] else ''}), not "
+                f"{'input_ids' if input_ids is not None else INPUT_VALUES if name == INPUT_FEATURES else INPUT_FEATURES}."
+            )
+        if hasattr(given, "detach"):
+            given = given.detach().cpu().float().numpy()
+        source = np.asarray(given, dtype=np.float32)
+        if source.ndim == len(dims):
+            source = source[None]
+        fits = source.ndim == len(dims) + 1 and all(d is None or d == n for d, n in zip(dims, source.shape[1:]))
+        if not fits or source.shape[0] == 0:
+            fixed = " (the encoder takes that many frames: pad or cut the audio as the feature extractor does)" \
+                if None not in dims else ""
+            raise InvalidArgumentError(f"{name} must be {what} {layout}{fixed}, not {list(source.shape)}.")
+        if not info["source_mask"]:
+            if attention_mask is not None:
+                raise InvalidArgumentError(
+                    f"This {info['model_type']} encoder takes no attention_mask (every source is its fixed "
+                    f"{dims[-1]} frames); leave it out."
+                )
+            return source, None
+        length = source.shape[1]
+        mask = np.ones(source.shape[:2], np.int64) if attention_mask is None else _ids(attention_mask, "attention_mask")
+        if mask.shape != source.shape[:2] or not np.isin(mask, (0, 1)).all():
+            raise InvalidArgumentError(
+                f"attention_mask must be 0/1 and shaped [batch, {length}] like {name}'s first two axes, not "
+                f"{list(mask.shape)}."
+            )
+        return source, mask
 
 
 def generate_seq2seq(folder: str | os.PathLike, *, session_options: Any = None, **options: Any) -> np.ndarray:

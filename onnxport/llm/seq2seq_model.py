@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._core.adapters import adapter_for
 from ..errors import ExportRefusedError, InvalidArgumentError
 from .model import returned_cache
 from .names import (
@@ -29,6 +30,7 @@ from .names import (
     ENCODER_ATTENTION_MASK,
     INPUT_FEATURES,
     INPUT_IDS,
+    INPUT_VALUES,
     LAST_HIDDEN_STATE,
     LOGITS,
 )
@@ -39,7 +41,7 @@ class Seq2SeqShape:
     """What an encoder–decoder's files look like: read from one real run of the model."""
 
     model_type: str
-    #: the encoder takes log-mel ``input_features`` (speech) instead of ``input_ids``
+    #: the encoder takes speech (``input_features`` or ``input_values``) instead of ``input_ids``
     audio: bool
     layers: int
     heads: int
@@ -52,14 +54,39 @@ class Seq2SeqShape:
     #: the longest decoder sequence its position table holds (None: no limit)
     max_target_positions: int | None = None
     cache_dtype: str = "float32"
+    #: the encoder's source input (``input_ids``, ``input_features``, ``input_values``)
+    source: str = INPUT_IDS
+    #: the encoder takes an ``attention_mask`` over its source (text; speech of any length)
+    source_mask: bool = True
+    #: one source's dimensions after the batch, ``None`` where its length is free (Whisper:
+    #: ``[mel bins, frames]``; Speech2Text: ``[None, features]``; Moonshine: ``[None]`` samples)
+    source_dims: tuple[int | None, ...] = (None,)
+
+    @property
+    def speech_mask(self) -> bool:
+        """A speech encoder of any length: it gives the decoder the mask of its output positions,
+        computed from the source's mask by its own downsampling."""
+        return self.audio and self.source_mask
 
     @property
     def encoder_inputs(self) -> list[str]:
-        return [INPUT_FEATURES] if self.audio else [INPUT_IDS, ATTENTION_MASK]
+        return [self.source, *([ATTENTION_MASK] if self.source_mask else [])]
 
     @property
     def encoder_outputs(self) -> list[str]:
-        return [LAST_HIDDEN_STATE, *(f"present.{i}.encoder.{k}" for i in range(self.layers) for k in ("key", "value"))]
+        return [LAST_HIDDEN_STATE, *(f"present.{i}.encoder.{k}" for i in range(self.layers) for k in ("key", "value")),
+                *([ENCODER_ATTENTION_MASK] if self.speech_mask else [])]
+
+    def cross(self, encoded: list[Any]) -> list[Any]:
+        """The cross-attention keys and values among the encoder's outputs."""
+        return list(encoded[1:1 + 2 * self.layers])
+
+    def decoder_mask(self, encoded: list[Any], mask: Any) -> Any:
+        """The decoder's ``encoder_attention_mask``: the source's own (text), the encoder's
+        downsampled one (speech of any length), or none (Whisper)."""
+        if self.speech_mask:
+            return encoded[-1]
+        return mask if self.source_mask else None
 
     @property
     def past_names(self) -> list[str]:
@@ -69,7 +96,7 @@ class Seq2SeqShape:
 
     @property
     def decoder_inputs(self) -> list[str]:
-        return [INPUT_IDS, *([] if self.audio else [ENCODER_ATTENTION_MASK]), *self.past_names]
+        return [INPUT_IDS, *([ENCODER_ATTENTION_MASK] if self.source_mask else []), *self.past_names]
 
     @property
     def decoder_outputs(self) -> list[str]:
@@ -119,11 +146,6 @@ def _check_seq2seq_config(config: Any, what: str) -> Any:
     if type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
         return AutoModelForSeq2SeqLM
     if type(config) in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING:
-        if kind not in FIXED_FRAMES:
-            raise InvalidArgumentError(
-                f"{what} is a {kind} speech encoder-decoder; export_seq2seq exports speech models of these "
-                f"families: {', '.join(sorted(FIXED_FRAMES))}."
-            )
         return AutoModelForSpeechSeq2Seq
     if not getattr(config, "is_encoder_decoder", False) and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise InvalidArgumentError(
@@ -136,9 +158,10 @@ def _check_seq2seq_config(config: Any, what: str) -> Any:
     )
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
-    """The name the model's forward takes its cache by (transformers renames ``past_key_values``)."""
-    own = model._own if isinstance(model, _Forwarding) else type(model).forward
+def _cache_argument(module: torch.nn.Module) -> str:
+    """The name a model's (or its decoder's) forward takes its cache by (transformers renames
+    ``past_key_values``)."""
+    own = module._own if isinstance(module, _Forwarding) else type(module).forward
     parameters = inspect.signature(own).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
@@ -157,25 +180,58 @@ def encoder_call(model: Any, source: torch.Tensor, attention_mask: torch.Tensor 
                  start_token: int) -> tuple[torch.Tensor, ...]:
     """``(last_hidden_state, *cross keys and values)`` of one source batch, by the model's own
     layers: the encoder, then one decoder run with an empty cache, which fills the cross-attention
-    half of it (the rest of that run computes nothing the outputs use)."""
+    half of it (the rest of that run computes nothing the outputs use). A speech encoder given a
+    mask adds the mask of its output positions (see :func:`speech_output_mask`)."""
     from transformers import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
 
     encoder = model.get_encoder()
-    hidden = encoder(input_features=source).last_hidden_state if audio else \
-        encoder(input_ids=source, attention_mask=attention_mask).last_hidden_state
+    if audio:
+        encoded = encoder(source) if attention_mask is None else encoder(source, attention_mask=attention_mask)
+    else:
+        encoded = encoder(input_ids=source, attention_mask=attention_mask)
+    hidden = encoded.last_hidden_state
     cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
     start = torch.full((source.shape[0], 1), start_token, dtype=torch.int64)
     masks = {} if audio else {"attention_mask": attention_mask}
-    model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden), decoder_input_ids=start, use_cache=True,
-          **{_cache_argument(model): cache}, **masks)
-    return (hidden, *_pairs(cache.cross_attention_cache))
+    # the encoder's own output object: a family may read more than the hidden states from it
+    # (Moonshine its downsampled mask); the cross keys and values read the hidden states alone
+    given = encoded if audio else BaseModelOutput(last_hidden_state=hidden)
+    model(encoder_outputs=given, decoder_input_ids=start, use_cache=True, **{_cache_argument(model): cache}, **masks)
+    cross = _pairs(cache.cross_attention_cache)
+    if audio and attention_mask is not None:
+        return (hidden, *cross, speech_output_mask(model, encoded, attention_mask))
+    return (hidden, *cross)
+
+
+def speech_output_mask(model: Any, encoded: Any, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Which of a speech encoder's output positions hold audio, from the mask of its input frames
+    or samples, as the model's own forward computes it for its decoder: the mask its encoder
+    returns (Moonshine), or its ``_get_feature_vector_attention_mask`` (Speech2Text); int64."""
+    given = getattr(encoded, "attention_mask", None)
+    if isinstance(given, torch.Tensor):
+        return given.to(torch.int64)
+    length = encoded.last_hidden_state.shape[1]
+    for holder in (model, getattr(model, "base_model", None), getattr(model, "model", None)):
+        downsample = getattr(holder, "_get_feature_vector_attention_mask", None)
+        if callable(downsample):
+            return downsample(length, attention_mask).to(torch.int64)
+    raise ExportRefusedError(
+        f"{type(model).__name__}'s encoder takes an attention_mask but gives no mask of its output positions "
+        f"(neither an attention_mask in its output nor a _get_feature_vector_attention_mask), so its decoder "
+        f"cannot be told which of them are padding."
+    )
 
 
 def decoder_call(model: Any, layers: int, hidden_size: int, input_ids: torch.Tensor,
-                 encoder_attention_mask: torch.Tensor | None, past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                 encoder_attention_mask: torch.Tensor | None, past: tuple[torch.Tensor, ...],
+                 *, speech_mask: bool = False) -> tuple[torch.Tensor, ...]:
     """``(logits, *present self-attention keys and values)`` of one decoder step, the cross
-    keys and values given (``past``: per layer, own key, own value, cross key, cross value)."""
+    keys and values given (``past``: per layer, own key, own value, cross key, cross value).
+
+    A speech model of any length (``speech_mask``) runs its decoder and head directly: its own
+    forward would compute the decoder's mask again from the input frames' mask, which the
+    decoder file does not take; :func:`check_split` proves the two paths agree."""
     from transformers import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
 
@@ -190,10 +246,47 @@ def decoder_call(model: Any, layers: int, hidden_size: int, input_ids: torch.Ten
     # and values are the cache's); a zero stand-in of the right shape is dead code in the file
     key = past[2]
     stand_in = key.new_zeros(key.shape[0], key.shape[2], hidden_size)
+    if speech_mask:
+        decoder = model.get_decoder()
+        output = decoder(input_ids=input_ids, encoder_hidden_states=stand_in, encoder_attention_mask=encoder_attention_mask,
+                         use_cache=True, **{_cache_argument(decoder): cache})
+        logits = model.get_output_embeddings()(output.last_hidden_state)
+        return (logits, *_pairs(returned_cache(output).self_attention_cache))
     masks = {} if encoder_attention_mask is None else {"attention_mask": encoder_attention_mask}
     output = model(encoder_outputs=BaseModelOutput(last_hidden_state=stand_in), decoder_input_ids=input_ids,
                    use_cache=True, **{_cache_argument(model): cache}, **masks)
     return (output.logits, *_pairs(returned_cache(output).self_attention_cache))
+
+
+def check_split(model: Any, shape: Seq2SeqShape, start: int) -> None:
+    """Refuse a model whose encoder and decoder forwards (:func:`encoder_call`,
+    :func:`decoder_call`) do not compute its own forward's logits: on a padded batch of two
+    sources, two decoder tokens at once, within float32 rounding."""
+    from ..compare import relative_distance
+
+    source, mask = sample_source(model, 2, 6, seed=3)
+    ids = torch.full((2, 2), start, dtype=torch.int64)
+    ids[:, 1] = torch.arange(2) + 3
+    with torch.no_grad():
+        masks = {} if mask is None else {"attention_mask": mask}
+        whole = model(source, decoder_input_ids=ids, use_cache=False, **masks).logits
+        encoded = list(encoder_call(model, source, mask, shape.audio, start))
+        cross = shape.cross(encoded)
+        empty = [cross[0].new_zeros(2, shape.heads, 0, shape.head_dim)] * 2
+        past = tuple(t for i in range(shape.layers) for t in (*empty, *cross[2 * i:2 * i + 2]))
+        split = decoder_call(model, shape.layers, shape.hidden, ids, shape.decoder_mask(encoded, mask), past,
+                             speech_mask=shape.speech_mask)[0]
+    distance = relative_distance(split.double().numpy(), whole.double().numpy())
+    if not distance <= SPLIT_TOLERANCE:
+        raise ExportRefusedError(
+            f"{type(model).__name__}'s encoder and decoder, run apart as the two files run them, do not compute what "
+            f"its own forward computes (relative distance {distance:.3g} over {SPLIT_TOLERANCE:g}), so its files "
+            f"could not generate what it generates."
+        )
+
+
+#: :func:`check_split`'s bound: float32 rounding of the same arithmetic in another order.
+SPLIT_TOLERANCE = 1e-4
 
 
 def start_token(model: Any) -> int:
@@ -217,15 +310,60 @@ def encoder_hidden_size(model: Any) -> int:
     raise ExportRefusedError(f"{type(model).__name__}'s config names no d_model or hidden_size.")
 
 
-def sample_source(model: Any, batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An encoder input batch: token ids with a left-padded second row, or speech features."""
-    generator = torch.Generator().manual_seed(seed)
+#: A speech source's length per unit of ``sample_source``'s ``length``: 10 ms frames (100 per
+#: second) or 100 ms of samples, so that a few units reach past every speech encoder's downsampling.
+FRAMES_PER_UNIT = 10
+SECONDS_PER_UNIT = 0.1
+DEFAULT_SAMPLING_RATE = 16000
+
+
+def _feature_width(config: Any) -> int:
+    """How many features a speech encoder reads per frame, as its config names them."""
+    per_channel = getattr(config, "input_feat_per_channel", None)
+    if isinstance(per_channel, int):
+        return per_channel * int(getattr(config, "input_channels", 1) or 1)
+    for name in ("num_mel_bins", "feature_size", "feature_projection_input_dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ExportRefusedError(
+        f"{type(config).__name__} names neither how many features its encoder reads per frame "
+        f"(input_feat_per_channel, num_mel_bins, feature_size) nor a fixed number of frames."
+    )
+
+
+def speech_source_dims(model: Any) -> tuple[int | None, ...]:
+    """One speech source's dimensions after the batch, ``None`` where the length is free: Whisper's
+    ``[mel bins, fixed frames]``, log-mel frames of any length ``[None, features]``, a waveform ``[None]``."""
     config = model.config
     kind = str(getattr(config, "model_type", ""))
-    if model.main_input_name == INPUT_FEATURES:
-        frames = FIXED_FRAMES[kind](config) if kind in FIXED_FRAMES else length
-        features = torch.randn(batch, int(config.num_mel_bins), frames, generator=generator)
-        return features.to(next(model.parameters()).dtype), None
+    if model.main_input_name == INPUT_VALUES:
+        return (None,)
+    if kind in FIXED_FRAMES:
+        return (int(config.num_mel_bins), FIXED_FRAMES[kind](config))
+    return (None, _feature_width(config))
+
+
+def sample_source(model: Any, batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An encoder input batch: token ids with a left-padded second row, or speech (a speech
+    encoder of any length: ``length`` tenths of a second, the second row's last quarter padding
+    as its feature extractor pads it, zeros its mask marks)."""
+    generator = torch.Generator().manual_seed(seed)
+    config = model.config
+    if model.main_input_name in (INPUT_FEATURES, INPUT_VALUES):
+        dims = speech_source_dims(model)
+        dtype = next(model.parameters()).dtype
+        if None not in dims:
+            return torch.randn(batch, *dims, generator=generator).to(dtype), None
+        rate = getattr(config, "sampling_rate", None) or DEFAULT_SAMPLING_RATE
+        steps = int(length * SECONDS_PER_UNIT * rate) if dims == (None,) else length * FRAMES_PER_UNIT
+        scale = 0.1 if dims == (None,) else 1.0  # a waveform's amplitude, unit-variance features
+        speech = torch.randn(batch, steps, *dims[1:], generator=generator) * scale
+        mask = torch.ones(batch, steps, dtype=torch.int64)
+        if batch > 1:
+            mask[1, steps - steps // 4:] = 0
+            speech[1, steps - steps // 4:] = 0
+        return speech.to(dtype), mask
     vocab = int(model.get_output_embeddings().weight.shape[0])
     ids = torch.randint(0, vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, length, dtype=torch.int64)
@@ -239,7 +377,8 @@ def sample_source(model: Any, batch: int, length: int, seed: int = 0) -> tuple[t
 def seq2seq_shape(model: Any) -> Seq2SeqShape:
     """The files' shape, from one run of the encoder forward (its cross keys and values give the
     decoder's layers, heads and head size as the model computes them, whatever its config calls them)."""
-    audio = model.main_input_name == INPUT_FEATURES
+    source_name = model.main_input_name
+    audio = source_name in (INPUT_FEATURES, INPUT_VALUES)
     source, mask = sample_source(model, 1, 4)
     try:
         with torch.no_grad():
@@ -251,7 +390,7 @@ def seq2seq_shape(model: Any) -> Seq2SeqShape:
             f"{type(model).__name__} does not run with a cache of plain key/value tensors "
             f"({type(error).__name__}: {str(error).strip()[:200]}); its decoder cannot be exported with a cache."
         ) from error
-    cross = outputs[1:]
+    cross = outputs[1:-1] if audio and mask is not None else outputs[1:]
     if not cross or any(t.dim() != 4 for t in cross):
         raise ExportRefusedError(
             f"{type(model).__name__}'s cross-attention cache is not per-layer [batch, heads, source, head_dim] "
@@ -259,6 +398,8 @@ def seq2seq_shape(model: Any) -> Seq2SeqShape:
         )
     config = model.config
     kind = str(getattr(config, "model_type", type(model).__name__))
+    dims = speech_source_dims(model) if audio else (None,)
+    fixed = audio and None not in dims
     return Seq2SeqShape(
         model_type=kind,
         audio=audio,
@@ -267,10 +408,13 @@ def seq2seq_shape(model: Any) -> Seq2SeqShape:
         head_dim=int(cross[0].shape[3]),
         vocab=int(model.get_output_embeddings().weight.shape[0]),
         hidden=encoder_hidden_size(model),
-        mel_bins=int(config.num_mel_bins) if audio else None,
-        frames=int(source.shape[-1]) if audio else None,
+        mel_bins=dims[0] if fixed else dims[1] if audio and len(dims) > 1 else None,
+        frames=dims[1] if fixed else None,
         max_target_positions=getattr(config, "max_target_positions", None)
         or (getattr(config, "max_position_embeddings", None) if kind != "t5" else None),
+        source=source_name if audio else INPUT_IDS,
+        source_mask=mask is not None,
+        source_dims=dims,
     )
 
 
@@ -282,14 +426,15 @@ def encoder_forward(model: torch.nn.Module, shape: Seq2SeqShape, start: int) -> 
     own = type(model).forward.__get__(model)
     proxy = _Forwarding(model, own)
 
-    if shape.audio:
+    if shape.audio and not shape.source_mask:
         def forward(input_features: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return encoder_call(proxy, input_features, None, True, start)
     else:
+        # the source's name is the file's (forward_replaced names the inputs), not this parameter's
         def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[misc]
-            return encoder_call(proxy, input_ids, attention_mask, False, start)
+            return encoder_call(proxy, input_ids, attention_mask, shape.audio, start)
 
-    with forward_replaced(model, forward, shape.encoder_inputs):
+    with forward_replaced(model, forward, shape.encoder_inputs), adapter_for(shape.model_type).capturing(model):
         yield model
 
 
@@ -299,13 +444,14 @@ def decoder_forward(model: torch.nn.Module, shape: Seq2SeqShape) -> Iterator[tor
     from .._core.inputs import forward_replaced
 
     proxy = _Forwarding(model, type(model).forward.__get__(model))
-    layers, hidden, audio = shape.layers, shape.hidden, shape.audio
+    layers, hidden, masked, speech_mask = shape.layers, shape.hidden, shape.source_mask, shape.speech_mask
 
     def forward(input_ids: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        mask, past = (None, rest) if audio else (rest[0], rest[1:])
-        return decoder_call(proxy, layers, hidden, input_ids, mask, tuple(past))
+        mask, past = (rest[0], rest[1:]) if masked else (None, rest)
+        return decoder_call(proxy, layers, hidden, input_ids, mask, tuple(past), speech_mask=speech_mask)
 
-    with forward_replaced(model, forward, [n.replace(".", "_") for n in shape.decoder_inputs]):
+    with forward_replaced(model, forward, [n.replace(".", "_") for n in shape.decoder_inputs]), \
+            adapter_for(shape.model_type).capturing(model):
         yield model
 
 

@@ -74,7 +74,7 @@ ROUTED = {
                              "(onnxport export FOLDER -o OUT routes there)")),
     "automatic-speech-recognition (encoder-decoder)": (
         "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
-        ("a speech encoder-decoder (Whisper) generates with an encoder and a decoder file: use export_seq2seq "
+        ("a speech encoder-decoder (Whisper, Speech2Text, Moonshine) generates with an encoder and a decoder file: use export_seq2seq "
         "(onnxport export FOLDER -o OUT routes there)")),
 }
 
