@@ -129,5 +129,40 @@ def moonshine() -> torch.nn.Module:
     return _ending(MoonshineForConditionalGeneration(config).eval(), 3.0)
 
 
+def speecht5() -> torch.nn.Module:
+    """A small SpeechT5 for speech to text: a waveform, its mask downsampled by its encoder's
+    prenet, a text decoder that calls its token ids ``input_values``."""
+    from transformers import SpeechT5Config, SpeechT5ForSpeechToText
+
+    config = SpeechT5Config(vocab_size=VOCAB, hidden_size=32, encoder_layers=2, decoder_layers=2,
+                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                            conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                            num_conv_pos_embedding_groups=4, max_text_positions=64, initializer_range=0.5,
+                            pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    return _ending(SpeechT5ForSpeechToText(config).eval(), 3.0)
+
+
+def wav2vec2_bert() -> torch.nn.Module:
+    """A SpeechEncoderDecoder of a Wav2Vec2 encoder and a BERT decoder: the composite names its
+    input ``inputs``, and its decoder is a causal LM that gives logits itself."""
+    from transformers import BertConfig, SpeechEncoderDecoderConfig, SpeechEncoderDecoderModel, Wav2Vec2Config
+
+    encoder = Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                             conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                             num_conv_pos_embedding_groups=4, feat_extract_norm="layer", do_stable_layer_norm=True)
+    decoder = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, is_decoder=True, add_cross_attention=True, pad_token_id=1,
+                         initializer_range=0.5)
+    config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 0, 1, 2
+    torch.manual_seed(0)
+    model = SpeechEncoderDecoderModel(config).eval()
+    model.generation_config.update(decoder_start_token_id=0, pad_token_id=1, eos_token_id=2)
+    return model
+
+
 #: Speech encoder–decoders of any length, by name.
 SPEECH = {"speech2text": speech2text, "moonshine": moonshine}
+#: More of them, held to the split check here (exported by hand: see docs/seq2seq.md).
+MORE_SPEECH = {"speecht5": speecht5, "wav2vec2-bert": wav2vec2_bert}

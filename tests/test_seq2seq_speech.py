@@ -13,7 +13,7 @@ import torch
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.llm import export_seq2seq, generate
 
-from .seq2seq_models import SPEECH
+from .seq2seq_models import MORE_SPEECH, SPEECH
 
 
 def _batch(model, seconds: list[float], seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
@@ -92,6 +92,22 @@ def _check_bad_input(model, folder) -> None:
         generate(folder, **{name: source}, attention_mask=mask, language="de")
     with pytest.raises(InvalidArgumentError, match=f"{name} must be"):
         generate(folder, **{name: source[..., None]})
+
+
+@pytest.mark.parametrize("family", sorted(MORE_SPEECH))
+def test_other_speech_families_run_apart_as_their_own_forward_runs(family):
+    """SpeechT5 (its mask downsampled in its encoder's prenet, its decoder's ids called
+    input_values) and a Wav2Vec2 + BERT SpeechEncoderDecoder (the composite's input called inputs,
+    its decoder giving logits itself): their shapes are read and the two files' forwards compute
+    what each model's own forward computes on a padded batch."""
+    from onnxport.llm.seq2seq_model import check_split, sample_source, seq2seq_shape, start_token
+
+    model = MORE_SPEECH[family]()
+    shape = seq2seq_shape(model)
+    assert shape.source == "input_values" and shape.speech_mask and shape.source_dims == (None,)
+    check_split(model, shape, start_token(model))
+    _, mask = sample_source(model, 2, 6)
+    assert mask[1].sum() < mask[0].sum()  # the check ran a padded row
 
 
 def test_a_model_whose_forward_does_more_than_its_decoder_and_head_is_refused(tmp_path):

@@ -527,7 +527,10 @@ def _write_encoder(job: _Job, file: Path) -> None:
 
     # both files keep their weights in data files: written tensor by tensor, and read lazily by
     # the step that stores a weight both hold once (share_weights), so neither costs a copy
-    run_plan(ExportPlan("export_seq2seq encoder", job.opset, feeds, capture, _steps(job), axes=axes,
+    # speech of any length is proven at the proof's clips, a whole number of tenths of a second
+    # (a framed encoder takes whole frames: Moonshine Streaming's 80 samples), not one sample longer
+    sizes = [feeds, dict(zip(shape.encoder_inputs, (proof.source, proof.mask)))] if shape.speech_mask else None
+    run_plan(ExportPlan("export_seq2seq encoder", job.opset, feeds, capture, _steps(job), axes=axes, samples=sizes,
                         keep_reference=False, rules=[*_weight_rules(job, present), proven],
                         before_write=_fusions_of(job, ENCODER_FILE),
                         metadata=_record(job), external_data=True), file)

@@ -212,7 +212,9 @@ def speech_output_mask(model: Any, encoded: Any, attention_mask: torch.Tensor) -
     if isinstance(given, torch.Tensor):
         return given.to(torch.int64)
     length = encoded.last_hidden_state.shape[1]
-    for holder in (model, getattr(model, "base_model", None), getattr(model, "model", None)):
+    # where the family keeps it: on the model (Speech2Text), its encoder (a SpeechEncoderDecoder's
+    # Wav2Vec2) or a module of the encoder (SpeechT5's prenet)
+    for holder in (model, getattr(model, "model", None), *model.get_encoder().modules()):
         downsample = getattr(holder, "_get_feature_vector_attention_mask", None)
         if callable(downsample):
             return downsample(length, attention_mask).to(torch.int64)
@@ -248,9 +250,12 @@ def decoder_call(model: Any, layers: int, hidden_size: int, input_ids: torch.Ten
     stand_in = key.new_zeros(key.shape[0], key.shape[2], hidden_size)
     if speech_mask:
         decoder = model.get_decoder()
-        output = decoder(input_ids=input_ids, encoder_hidden_states=stand_in, encoder_attention_mask=encoder_attention_mask,
+        # the ids positionally: a decoder may call them otherwise (SpeechT5's text decoder: input_values)
+        output = decoder(input_ids, encoder_hidden_states=stand_in, encoder_attention_mask=encoder_attention_mask,
                          use_cache=True, **{_cache_argument(decoder): cache})
-        logits = model.get_output_embeddings()(output.last_hidden_state)
+        # a decoder that is a causal LM of its own (a SpeechEncoderDecoder's) gives logits itself
+        logits = output.logits if getattr(output, "logits", None) is not None else \
+            model.get_output_embeddings()(output.last_hidden_state)
         return (logits, *_pairs(returned_cache(output).self_attention_cache))
     masks = {} if encoder_attention_mask is None else {"attention_mask": encoder_attention_mask}
     output = model(encoder_outputs=BaseModelOutput(last_hidden_state=stand_in), decoder_input_ids=input_ids,
@@ -301,15 +306,6 @@ def start_token(model: Any) -> int:
     )
 
 
-def encoder_hidden_size(model: Any) -> int:
-    config = model.config
-    for name in ("d_model", "hidden_size"):
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    raise ExportRefusedError(f"{type(model).__name__}'s config names no d_model or hidden_size.")
-
-
 #: A speech source's length per unit of ``sample_source``'s ``length``: 10 ms frames (100 per
 #: second) or 100 ms of samples, so that a few units reach past every speech encoder's downsampling.
 FRAMES_PER_UNIT = 10
@@ -332,12 +328,19 @@ def _feature_width(config: Any) -> int:
     )
 
 
+def source_input(model: Any) -> str:
+    """What the encoder reads: ``input_ids``, ``input_features`` or ``input_values`` (its own
+    ``main_input_name``: a composite model's may name neither, SpeechEncoderDecoder's ``inputs``)."""
+    encoder = model.get_encoder()
+    return str(getattr(encoder, "main_input_name", None) or model.main_input_name)
+
+
 def speech_source_dims(model: Any) -> tuple[int | None, ...]:
     """One speech source's dimensions after the batch, ``None`` where the length is free: Whisper's
     ``[mel bins, fixed frames]``, log-mel frames of any length ``[None, features]``, a waveform ``[None]``."""
     config = model.config
     kind = str(getattr(config, "model_type", ""))
-    if model.main_input_name == INPUT_VALUES:
+    if source_input(model) == INPUT_VALUES:
         return (None,)
     if kind in FIXED_FRAMES:
         return (int(config.num_mel_bins), FIXED_FRAMES[kind](config))
@@ -350,7 +353,7 @@ def sample_source(model: Any, batch: int, length: int, seed: int = 0) -> tuple[t
     as its feature extractor pads it, zeros its mask marks)."""
     generator = torch.Generator().manual_seed(seed)
     config = model.config
-    if model.main_input_name in (INPUT_FEATURES, INPUT_VALUES):
+    if source_input(model) in (INPUT_FEATURES, INPUT_VALUES):
         dims = speech_source_dims(model)
         dtype = next(model.parameters()).dtype
         if None not in dims:
@@ -377,7 +380,7 @@ def sample_source(model: Any, batch: int, length: int, seed: int = 0) -> tuple[t
 def seq2seq_shape(model: Any) -> Seq2SeqShape:
     """The files' shape, from one run of the encoder forward (its cross keys and values give the
     decoder's layers, heads and head size as the model computes them, whatever its config calls them)."""
-    source_name = model.main_input_name
+    source_name = source_input(model)
     audio = source_name in (INPUT_FEATURES, INPUT_VALUES)
     source, mask = sample_source(model, 1, 4)
     try:
@@ -407,7 +410,7 @@ def seq2seq_shape(model: Any) -> Seq2SeqShape:
         heads=int(cross[0].shape[1]),
         head_dim=int(cross[0].shape[3]),
         vocab=int(model.get_output_embeddings().weight.shape[0]),
-        hidden=encoder_hidden_size(model),
+        hidden=int(outputs[0].shape[-1]),  # the encoder's output width, whatever its config calls it
         mel_bins=dims[0] if fixed else dims[1] if audio and len(dims) > 1 else None,
         frames=dims[1] if fixed else None,
         max_target_positions=getattr(config, "max_target_positions", None)
