@@ -73,14 +73,21 @@ def test_a_composite_models_images_have_its_vision_configs_size():
         assert model(**signature.as_dict()).logits.shape == (1, 3)
 
 
-def test_feature_frames_of_any_length_are_made_from_the_features_width():
+def test_feature_frames_of_any_length_are_made_from_the_features_width(tmp_path):
     model = _built("Wav2Vec2BertConfig", "Wav2Vec2BertForCTC", **SMALL, feature_projection_input_dim=40,
-                   vocab_size=20, conv_depthwise_kernel_size=3, add_adapter=False)
+                   vocab_size=20, conv_depthwise_kernel_size=3, add_adapter=False, position_embeddings_type="rotary")
     signature = build_signature(model, get_task("automatic-speech-recognition"))
     assert signature.names == ["input_features"] and signature.axes == {"input_features": {0: "batch", 1: "frames"}}
     for sample in _both_sizes(signature):
         with torch.no_grad():
             assert model(**sample).logits.shape[:2] == sample["input_features"].shape[:2]
+    # given in memory, it is captured in its family's context too (its rotary table's cached
+    # length set aside): the frames stay symbolic, and the model is left as it was
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FixedShapeWarning)
+        result = export_pretrained(model, tmp_path / "onnx", task="automatic-speech-recognition")
+    assert result.axes == {"input_features": {0: "batch", 1: "frames"}}
+    assert not [name for name, module in model.named_modules() if "forward" in vars(module)]
 
 
 class _Rotary(torch.nn.Module):
@@ -120,17 +127,18 @@ def test_a_length_cache_is_set_aside_so_the_length_stays_symbolic():
     with pytest.raises(Exception, match="length"):  # the cached length fixes the axis
         _capture_with_symbolic_length(_WithRotary())
     model = _WithRotary()
-    adapter_for("wav2vec2-conformer").prepare(model)
-    program = _capture_with_symbolic_length(model)
-    assert model.rotary.cached_rotary_positional_embedding is None  # no traced table left behind
-    x = torch.randn(1, 30, 4)
-    torch.testing.assert_close(program.module()(x), x + torch.arange(30.0).cos()[None, :, None])
-    # a deep copy (pt2e's capture makes one) sets aside its own table, never the original's
-    model.rotary.cached_sequence_length = "the original's"
-    copied = copy.deepcopy(model)
-    copied.rotary.cached_sequence_length = None
-    _capture_with_symbolic_length(copied)
-    assert model.rotary.cached_sequence_length == "the original's"
+    with adapter_for("wav2vec2-conformer").capturing(model):
+        program = _capture_with_symbolic_length(model)
+        assert model.rotary.cached_rotary_positional_embedding is None  # no traced table left behind
+        x = torch.randn(1, 30, 4)
+        torch.testing.assert_close(program.module()(x), x + torch.arange(30.0).cos()[None, :, None])
+        # a deep copy (pt2e's capture makes one) sets aside its own table, never the original's
+        model.rotary.cached_sequence_length = "the original's"
+        copied = copy.deepcopy(model)
+        copied.rotary.cached_sequence_length = None
+        _capture_with_symbolic_length(copied)
+        assert model.rotary.cached_sequence_length == "the original's"
+    assert "forward" not in vars(model.rotary)  # the model as it was once the capture is done
 
 
 def _vit(**changes) -> torch.nn.Module:

@@ -34,16 +34,15 @@ class Adapter:
 
     Attributes:
         load_kwargs: given to ``from_pretrained`` (an attention implementation that exports).
-        prepare: changes the loaded model in place before export (a data-dependent branch off).
         prepare_half: changes a float16 copy in place before it exports (never the caller's model:
             the exporters call it on the copy they made). It must leave every output as it was, so
             the copy stays the ``model.half()`` the file is held to.
-        capturing: a context the exporters capture the model in (a model given is theirs only
-            for that while): what it changes is undone when it ends, and every output is as it was.
+        capturing: a context the exporters capture and prove the model in, loaded or given (a
+            model given is theirs only for that while): a data-dependent branch off, a length
+            cache set aside. What it changes is undone when it ends, and every output is as it was.
     """
 
     load_kwargs: dict[str, Any] = field(default_factory=dict)
-    prepare: Callable[[torch.nn.Module], None] = _nothing
     prepare_half: Callable[[torch.nn.Module], None] = _nothing
     capturing: Callable[[torch.nn.Module], AbstractContextManager[None]] = _as_it_is
 
@@ -134,14 +133,16 @@ register("bart", "marian", "plbart", "mvp", "blenderbot-small", "bigbird_pegasus
     Adapter(load_kwargs=dict(DEFAULT.load_kwargs), prepare_half=_finite_guard_as_data_flow))
 
 
-def _without_length_cache(model: torch.nn.Module) -> None:
+@contextlib.contextmanager
+def _without_length_cache(model: torch.nn.Module) -> Iterator[None]:
     """Rotary position tables kept between calls with the length they were made for
     (``cached_sequence_length``): comparing a traced length with the last eager run's length fixes
-    that axis in the file, and a capture would leave a traced table in the module. Each such
-    module forgets its table before and after every call, so every call computes it from the
-    input's own length (the values are the same)."""
+    that axis in the file, and a capture would leave a traced table in the module. While
+    capturing, each such module forgets its table before and after every call, so every call
+    computes it from the input's own length (the values are the same)."""
+    changed = []
     for module in model.modules():
-        if not hasattr(module, "cached_sequence_length"):
+        if not hasattr(module, "cached_sequence_length") or "forward" in vars(module):
             continue
         cached = [name for name in vars(module) if name.startswith("cached_")]
 
@@ -157,46 +158,14 @@ def _without_length_cache(model: torch.nn.Module) -> None:
                     setattr(self, name, None)
 
         module.forward = types.MethodType(forward, module)
-
-
-register("wav2vec2-conformer", "wav2vec2-bert")(
-    Adapter(load_kwargs=dict(DEFAULT.load_kwargs), prepare=_without_length_cache))
-
-
-def _conv_output_length(convolutions: list[torch.nn.Conv1d], length: Any) -> Any:
-    """The length a stack of 1-D convolutions gives, in integer arithmetic (a traced length stays
-    symbolic), from each layer's own kernel, stride, padding and dilation."""
-    for conv in convolutions:
-        padding = conv.padding[0] if isinstance(conv.padding, tuple) else 0  # 'same'/'valid' strings hold no int
-        length = (length + 2 * padding - conv.dilation[0] * (conv.kernel_size[0] - 1) - 1) // conv.stride[0] + 1
-    return length
-
-
-@contextlib.contextmanager
-def _integer_output_lengths(model: torch.nn.Module) -> Iterator[None]:
-    """A speech encoder that computes its output length from its input's with float division and
-    ``int()`` (Moonshine's ``_get_feat_extract_output_lengths``): torch.export fixes the traced
-    length at ``int()``, so the file's mask would keep the example's length. While capturing, each
-    such encoder computes it from its own convolutions in integer division: the same value for
-    every input its first convolution takes."""
-    changed = []
-    for module in model.modules():
-        if not callable(getattr(type(module), "_get_feat_extract_output_lengths", None)):
-            continue
-        convolutions = [m for m in module.modules() if isinstance(m, torch.nn.Conv1d)]
-        if not convolutions or "_get_feat_extract_output_lengths" in vars(module):
-            continue
-
-        def lengths(self: torch.nn.Module, input_lengths: Any, _convs: list = convolutions) -> Any:
-            return _conv_output_length(_convs, input_lengths)
-
-        vars(module)["_get_feat_extract_output_lengths"] = types.MethodType(lengths, module)
         changed.append(module)
     try:
         yield
     finally:
         for module in changed:
-            del module._get_feat_extract_output_lengths
+            del module.forward
 
 
-register("moonshine")(Adapter(load_kwargs=dict(DEFAULT.load_kwargs), capturing=_integer_output_lengths))
+register("wav2vec2-conformer", "wav2vec2-bert")(
+    Adapter(load_kwargs=dict(DEFAULT.load_kwargs), capturing=_without_length_cache))
+

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from .._core.adapters import adapter_for
 from .._core.axes import second_size
 from .._core.io import check_output_folder, write_text_atomic
 from ..engine import output_folder_stage
@@ -225,7 +226,9 @@ def export_pretrained(
     batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
                                    length=calibration_length) if quantize == "int8" else None)
 
-    with output_folder_stage(folder) as stage:
+    # the family's changes for capture, on a model loaded here or given (undone afterwards)
+    capturing = adapter_for(str(getattr(loaded.model.config, "model_type", ""))).capturing(loaded.model)
+    with output_folder_stage(folder) as stage, capturing:
         path = stage / MODEL_FILE
         quantization, proofs = _write_fixing_axes(wrapper, loaded.task, signature, path, quantize=quantize,
                                                   batches=batches, target=target, opset_version=opset_version)

@@ -115,7 +115,6 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
             f"the weights in '{folder}' cannot be loaded ({type(error).__name__}: {_first_line(error)}); replace "
             f"them with the files save_pretrained wrote."
         ) from error
-    adapter.prepare(model)
     return Loaded(model.eval(), task, folder, f"{type(model).__name__} from '{folder}'", _preprocessor(folder))
 
 
