@@ -129,9 +129,9 @@ def run_demo(out: str | Path = "onnxport-demo", quick: bool = False, progress: b
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    # --quick is a look at every path, not a measurement: four latency rounds (of 8 files) instead
-    # of 24, which alone took 20 of its 54 s (and most of its 155 s in the two-worker test suite)
-    n_train, steps, rounds = (1536, 120, 4) if quick else (4096, 400, 24)
+    # --quick is a look at every path, not a measurement: two latency rounds (of 8 files) instead
+    # of 24 (four took 19 of its 101 s on a 2-core EPYC; 24 took most of the test suite's time)
+    n_train, steps, rounds = (1536, 120, 2) if quick else (4096, 400, 24)
     x_train, y_train = draw_images(n_train, seed)
     x_test, y_test = draw_images(512, seed + 1)
     model = DemoNet()
