@@ -169,3 +169,41 @@ def _without_length_cache(model: torch.nn.Module) -> Iterator[None]:
 register("wav2vec2-conformer", "wav2vec2-bert")(
     Adapter(load_kwargs=dict(DEFAULT.load_kwargs), capturing=_without_length_cache))
 
+
+def _conv_output_length(convolutions: list[torch.nn.Conv1d], length: Any) -> Any:
+    """The length a stack of 1-D convolutions gives, in integer arithmetic (a traced length stays
+    symbolic), from each layer's own kernel, stride, padding and dilation."""
+    for conv in convolutions:
+        padding = conv.padding[0] if isinstance(conv.padding, tuple) else 0  # 'same'/'valid' strings hold no int
+        length = (length + 2 * padding - conv.dilation[0] * (conv.kernel_size[0] - 1) - 1) // conv.stride[0] + 1
+    return length
+
+
+@contextlib.contextmanager
+def _integer_output_lengths(model: torch.nn.Module) -> Iterator[None]:
+    """A speech encoder that computes its output length from its input's with float division and
+    ``int()`` (Moonshine's ``_get_feat_extract_output_lengths``): torch.export fixes the traced
+    length at ``int()``, so the file's mask would keep the example's length. While capturing, each
+    such encoder computes it from its own convolutions in integer division: the same value for
+    every input its first convolution takes."""
+    changed = []
+    for module in model.modules():
+        if not callable(getattr(type(module), "_get_feat_extract_output_lengths", None)):
+            continue
+        convolutions = [m for m in module.modules() if isinstance(m, torch.nn.Conv1d)]
+        if not convolutions or "_get_feat_extract_output_lengths" in vars(module):
+            continue
+
+        def lengths(self: torch.nn.Module, input_lengths: Any, _convs: list = convolutions) -> Any:
+            return _conv_output_length(_convs, input_lengths)
+
+        vars(module)["_get_feat_extract_output_lengths"] = types.MethodType(lengths, module)
+        changed.append(module)
+    try:
+        yield
+    finally:
+        for module in changed:
+            del module._get_feat_extract_output_lengths
+
+
+register("moonshine")(Adapter(load_kwargs=dict(DEFAULT.load_kwargs), capturing=_integer_output_lengths))
