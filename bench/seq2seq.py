@@ -18,13 +18,17 @@ decoding alone — the time of 32 new tokens less that of 8, so the encoder and 
 out, whatever the runner does inside. int4 files' tokens are compared with our int4 file's (they
 are held to the torchao model, not the float one); every other runner's with PyTorch eager's.
 
+Moonshine with random weights at moonshine-tiny's shape (6 + 6 layers, hidden 288, vocabulary 32768):
+a batch of 1 and of 4 clips of 5 s of random 16 kHz waveform (the batch's last clip a second shorter,
+padded and masked as its feature extractor pads it), 32 new tokens from its start token, greedy.
+
 Beside them, each fp32 file's batch-1 step against the machine's memory: one step (16 cached
 tokens) and one ONNX Runtime ``MatMul`` reading as many bytes (every weight and the cache),
 alternating; at batch 1 a step is bound by memory, so no fp32 file can go much below that floor.
 
 Optimum needs its own environment (its pins conflict with ours): ``--optimum-python`` names a
 Python with ``optimum-onnx`` (or ``optimum[onnxruntime]``) and ``onnxruntime``; ``--genai-python``
-one with ``onnxruntime-genai``. Without them those columns are skipped. ``--models t5,whisper``
+one with ``onnxruntime-genai``. Without them those columns are skipped. ``--models t5,whisper,moonshine``
 picks the families, ``--rounds`` the rounds (each flag falls back to an environment variable:
 ``python -m bench seq2seq --help`` names them).
 """
@@ -60,6 +64,12 @@ WHISPER = {"vocab_size": 51865, "d_model": 384, "encoder_layers": 4, "decoder_la
            "max_source_positions": 1500, "max_target_positions": 448, "decoder_start_token_id": 50258,
            "eos_token_id": 50257, "pad_token_id": 50257, "bos_token_id": 50257}
 WHISPER_NAME = "whisper-tiny shape"
+#: moonshine-tiny's shape; its clips: 5 s at 16 kHz
+MOONSHINE = {"vocab_size": 32768, "hidden_size": 288, "intermediate_size": 1152, "encoder_num_hidden_layers": 6,
+             "decoder_num_hidden_layers": 6, "encoder_num_attention_heads": 8, "decoder_num_attention_heads": 8,
+             "max_position_embeddings": 194, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+             "decoder_start_token_id": 1}
+MOONSHINE_NAME, SAMPLES = "moonshine-tiny shape", 80000
 OPTIMUM = "optimum ORTModel (with past)"
 EAGER, INT4 = "pytorch eager", "ours ort-cpu int4"
 
@@ -67,8 +77,15 @@ _TIMED = r"""
 import json, sys, time, numpy as np
 kind, folder, batch, new, short = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 speech = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None  # Whisper: the decoder prompt
+wave = speech.pop() if speech and isinstance(speech[-1], dict) else None  # a waveform model: its clips
 rng = np.random.default_rng(0)
-if speech:
+if wave:
+    samples = wave["samples"]
+    values = (rng.standard_normal((batch, samples)) * 0.1).astype(np.float32)
+    mask = np.ones((batch, samples), np.int64)
+    if batch > 1:  # the last clip a second shorter, padded as the feature extractor pads it
+        values[-1, samples - 16000:], mask[-1, samples - 16000:] = 0, 0
+elif speech:
     features = rng.standard_normal((batch, 80, 3000)).astype(np.float32)
     prompt = np.array([speech] * batch, dtype=np.int64)
 else:
@@ -76,7 +93,9 @@ else:
 if kind == "ours":
     from onnxport.llm import Seq2SeqGenerator
     model = Seq2SeqGenerator(folder)  # the sessions made once, as Optimum's model holds its own
-    if speech:
+    if wave:
+        run = lambda n: model.generate(input_values=values, attention_mask=mask, max_new_tokens=n)
+    elif speech:
         run = lambda n: model.generate(input_features=features, language="en", max_new_tokens=n)
     else:
         run = lambda n: model.generate(ids, mask, max_new_tokens=n)
@@ -100,11 +119,14 @@ else:
     torch.set_grad_enabled(False)
     if kind == "eager":
         from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
-        model = (AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM).from_pretrained(folder).eval()
+        model = (AutoModelForSpeechSeq2Seq if speech or wave else AutoModelForSeq2SeqLM).from_pretrained(folder).eval()
     else:
         from optimum.onnxruntime import ORTModelForSeq2SeqLM, ORTModelForSpeechSeq2Seq
-        model = (ORTModelForSpeechSeq2Seq if speech else ORTModelForSeq2SeqLM).from_pretrained(folder, use_cache=True)
-    if speech:
+        model = (ORTModelForSpeechSeq2Seq if speech or wave else ORTModelForSeq2SeqLM).from_pretrained(folder, use_cache=True)
+    if wave:
+        t_values, t_mask = torch.from_numpy(values), torch.from_numpy(mask)
+        run = lambda n: model.generate(input_values=t_values, attention_mask=t_mask, max_new_tokens=n).numpy()
+    elif speech:
         from transformers.generation.utils import GenerationMixin
         t_features, t_prompt = torch.from_numpy(features), torch.from_numpy(prompt)
         # the plain search from the given prompt (Whisper's own generate adds its language logic)
@@ -122,7 +144,7 @@ seconds, tokens = median(new)
 # the same generation cut short: the difference is the decoding of the last new - short tokens,
 # the encoder and the first steps cancelling out
 short_seconds, _ = median(short)
-skip = len(speech) if speech else 1
+skip = len(speech) if speech and not wave else 1
 print(json.dumps({"seconds": seconds, "short_seconds": short_seconds, "new": int(tokens.shape[1] - skip),
                   "tokens": tokens[:, skip:].tolist()}))
 """
@@ -152,13 +174,26 @@ def _export(folder: Path, out: Path, flavour: str, precision: str = "fp32") -> d
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _timed(python: str, kind: str, folder: Path, batch: int, prompt: list[int] | None) -> dict:
+def _timed(python: str, kind: str, folder: Path, batch: int, prompt: list | None) -> dict:
     speech = [json.dumps(prompt)] if prompt else []
     done = subprocess.run([python, "-c", _TIMED, kind, str(folder), str(batch), str(NEW), str(SHORT), *speech], capture_output=True,
                           text=True, check=False, timeout=1800)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:200]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _encoder_positions(folder: Path) -> int:
+    """How many positions a waveform encoder gives for the bench's clips (its own file says)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from onnxport.llm.names import ENCODER_FILE
+
+    session = ort.InferenceSession(str(folder / ENCODER_FILE), providers=["CPUExecutionProvider"])
+    values = np.zeros((1, SAMPLES), np.float32)
+    return int(session.run(["last_hidden_state"], {"input_values": values,
+                                                    "attention_mask": np.ones((1, SAMPLES), np.int64)})[0].shape[1])
 
 
 def _memory_floor(folder: Path, source: int, rounds: int = 7) -> dict:
@@ -211,13 +246,15 @@ class Config:
     """What one run measures.
 
     Attributes:
-        models: ``'t5'`` (T5-small's shape and a tiny T5) and/or ``'whisper'`` (whisper-tiny's shape).
+        models: ``'t5'`` (T5-small's shape and a tiny T5), ``'whisper'`` (whisper-tiny's shape),
+            ``'moonshine'`` (moonshine-tiny's shape: speech of any length, masked).
         rounds: rotating rounds per batch (each runner's figure is the median over them).
         optimum_python: a Python with optimum-onnx, for Optimum's ORTModel column (None: skipped).
         genai_python: a Python with onnxruntime-genai, for its run of our Whisper folders (None: skipped).
     """
 
-    models: tuple[str, ...] = option(("t5", "whisper"), "families, comma-separated", choices=("t5", "whisper"))
+    models: tuple[str, ...] = option(("t5", "whisper"), "families, comma-separated",
+                                     choices=("t5", "whisper", "moonshine"))
     rounds: int = option(5, "rotating rounds per batch (each figure is the median over them)")
     optimum_python: str | None = option(None, "a Python with optimum-onnx (Optimum's column; default: skipped)")
     genai_python: str | None = option(None, "a Python with onnxruntime-genai (its run of our Whisper folders; "
@@ -234,7 +271,8 @@ def run(config: Config = Config()) -> dict:
     results: dict = {"isa": cpu_int8().isa, "source": SOURCE, "new_tokens": NEW, "rounds": config.rounds,
                      "optimum": bool(config.optimum_python), "genai": bool(config.genai_python), "models": {}}
     chosen = {**(SIZES if "t5" in config.models else {}),
-              **({WHISPER_NAME: WHISPER} if "whisper" in config.models else {})}
+              **({WHISPER_NAME: WHISPER} if "whisper" in config.models else {}),
+              **({MOONSHINE_NAME: MOONSHINE} if "moonshine" in config.models else {})}
     for name, shape in chosen.items():
         with tempfile.TemporaryDirectory() as scratch:
             results["models"][name] = _one(name, shape, Path(scratch), config)
@@ -255,6 +293,13 @@ def _model(name: str, config: dict) -> tuple:
     )
 
     torch.manual_seed(0)
+    if name == MOONSHINE_NAME:
+        from transformers import MoonshineConfig, MoonshineForConditionalGeneration
+
+        model = MoonshineForConditionalGeneration(MoonshineConfig(**config)).eval()
+        model.generation_config.min_new_tokens = NEW
+        # the timed script reads a trailing dict as a waveform model's clips
+        return model, [{"samples": SAMPLES}]
     if name != WHISPER_NAME:
         model = T5ForConditionalGeneration(T5Config(**config)).eval()
         model.generation_config.min_new_tokens = NEW  # the same number of steps for every runner
@@ -286,7 +331,8 @@ def _one(name: str, shape: dict, scratch: Path, config: Config) -> dict:
         figures = _export(folder, ours, flavour, precision)
         results[f"export {label}"] = {"seconds": figures["seconds"], "peak_vs_weights": figures["peak"] / weights}
         if precision == "fp32":
-            results[f"floor {label}"] = _memory_floor(ours, 1500 if prompt else SOURCE)
+            source = SOURCE if not prompt else 1500 if name == WHISPER_NAME else _encoder_positions(ours)
+            results[f"floor {label}"] = _memory_floor(ours, source)
         runners[f"ours {label}"] = ("ours", sys.executable, ours)
         if genai and prompt and (ours / "genai_config.json").is_file():
             runners[f"onnxruntime-genai, our {label} folder"] = ("genai", genai, ours)
@@ -368,7 +414,7 @@ def report(results: dict) -> str:
     return table(["model", "batch", "runner", "new tokens/s, end to end", "decode tokens/s", "same tokens"], rows,
                  notes=notes, title=(
         f"Encoder-decoder generation (random weights; T5: {results['source']}-token sources; Whisper: 30 s of features, "
-        f"a 4-token prompt), {results['new_tokens']} new tokens, greedy; median of {results['rounds']} rounds, each "
+        f"a 4-token prompt; Moonshine: 5 s of waveform, masked), {results['new_tokens']} new tokens, greedy; median of {results['rounds']} rounds, each "
         f"runner in its own process, rotating order; CPU: {results.get('isa', 'see the run results file')}"))
 
 
