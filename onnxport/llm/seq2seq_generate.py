@@ -311,11 +311,8 @@ class Seq2SeqGenerator:
                 if None not in dims else ""
             raise InvalidArgumentError(f"{name} must be {what} {layout}{fixed}, not {list(source.shape)}.")
         if not info["source_mask"]:
-            if attention_mask is not None:
-                raise InvalidArgumentError(
-                    f"This {info['model_type']} encoder takes no attention_mask (every source is its fixed "
-                    f"{dims[-1]} frames); leave it out."
-                )
+            # every source is the encoder's fixed frames: a mask the feature extractor gave is not
+            # read, as transformers' Whisper does not read it for one window
             return source, None
         length = source.shape[1]
         mask = np.ones(source.shape[:2], np.int64) if attention_mask is None else _ids(attention_mask, "attention_mask")
