@@ -19,6 +19,13 @@ INPUT_VALUES = "input_values"
 SEQ2SEQ_METADATA_KEY = "onnxport.seq2seq"
 
 
+def split_encoded(encoded: list[Any], layers: int, speech_mask: bool, mask: Any) -> tuple[list[Any], Any]:
+    """An encoder file's outputs as the decoder reads them: the cross-attention keys and values
+    (after ``last_hidden_state``), and its ``encoder_attention_mask``: a speech encoder's own (its
+    last output, ``speech_mask``), else the source's ``mask`` as given (None for Whisper)."""
+    return list(encoded[1:1 + 2 * layers]), encoded[-1] if speech_mask else mask
+
+
 def past_names(layers: int) -> list[str]:
     return [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
 

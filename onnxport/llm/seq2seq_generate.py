@@ -21,6 +21,7 @@ from .names import (
     INPUT_FEATURES,
     INPUT_IDS,
     INPUT_VALUES,
+    split_encoded,
 )
 from .names import SEQ2SEQ_METADATA_KEY as METADATA_KEY
 from .search import DecoderStep, Settings, interleave, search
@@ -235,12 +236,10 @@ class Seq2SeqGenerator:
             early_stopping=early_stopping, num_return_sequences=num_return_sequences,
         )
         step = self._step
-        encoded = self._encode(source, mask)
-        cross = encoded[1:1 + 2 * int(info["layers"])]
-        speech_mask = info["audio"] and info["source_mask"]
         # the decoder reads which encoder positions hold the source: the source's own mask, or
         # the mask a speech encoder of any length computes for its output positions
-        mask = encoded[-1] if speech_mask else mask
+        cross, mask = split_encoded(self._encode(source, mask), int(info["layers"]),
+                                    bool(info["audio"] and info["source_mask"]), mask)
         batch = len(source)
         if whisper:
             def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:

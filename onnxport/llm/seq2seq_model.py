@@ -33,6 +33,7 @@ from .names import (
     INPUT_VALUES,
     LAST_HIDDEN_STATE,
     LOGITS,
+    split_encoded,
 )
 
 
@@ -79,14 +80,12 @@ class Seq2SeqShape:
 
     def cross(self, encoded: list[Any]) -> list[Any]:
         """The cross-attention keys and values among the encoder's outputs."""
-        return list(encoded[1:1 + 2 * self.layers])
+        return split_encoded(encoded, self.layers, self.speech_mask, None)[0]
 
     def decoder_mask(self, encoded: list[Any], mask: Any) -> Any:
         """The decoder's ``encoder_attention_mask``: the source's own (text), the encoder's
         downsampled one (speech of any length), or none (Whisper)."""
-        if self.speech_mask:
-            return encoded[-1]
-        return mask if self.source_mask else None
+        return split_encoded(encoded, self.layers, self.speech_mask, mask if self.source_mask else None)[1]
 
     @property
     def past_names(self) -> list[str]:
