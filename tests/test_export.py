@@ -241,3 +241,23 @@ def test_a_data_check_on_a_tensor_leaves_nothing_in_the_file(tmp_path):
     path = export_onnx(_CheckedInput().eval(), SAMPLE, tmp_path / "checked.onnx")
     assert [n.op_type for n in onnx.load(str(path)).graph.node] == ["Mul"]
     np.testing.assert_array_equal(ONNXModel(path)(SAMPLE.numpy()), SAMPLE.numpy() * 2)
+
+
+class _InvertedMask(torch.nn.Module):
+    """XLNet's ``1.0 - attention_mask`` on an integer mask, scaled as a half-precision model would."""
+
+    def forward(self, mask, scale):
+        return (1.0 - mask)[None] * scale, 3 - mask
+
+
+def test_a_number_minus_an_integer_tensor_promotes_as_torch_does(tmp_path):
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    scale = torch.tensor(2.5)
+    path = export_onnx(_InvertedMask().eval(), (mask, scale), tmp_path / "mask.onnx",
+                       dynamic_axes={"input_0": {0: "batch", 1: "sequence"}})
+    other = torch.tensor([[0, 1, 1], [1, 1, 0], [0, 0, 0]])
+    inverted, shifted = ONNXModel(path).run_numpy(other, scale)
+    assert inverted.dtype == np.float32 and shifted.dtype == np.int64
+    expected = _InvertedMask()(other, scale)
+    np.testing.assert_array_equal(inverted, expected[0].numpy())
+    np.testing.assert_array_equal(shifted, expected[1].numpy())

@@ -62,6 +62,17 @@ def _all_true(x):  # an onnxscript function: traced, its types are the graph's
     return op.Cast(op.ReduceMin(op.Cast(x, to=6), keepdims=0), to=9)  # int32 minimum over all, as bool
 
 
+def _rsub_scalar(self, other, alpha=1):  # traced: ``self`` is a symbolic tensor with its dtype
+    import onnx_ir as ir
+    from onnxscript import opset18 as op
+
+    if isinstance(other, float) and not self.dtype.is_floating_point():
+        self = op.Cast(self, to=ir.DataType.FLOAT)  # torch promotes an integer tensor to the default float
+    if alpha != 1:
+        self = op.Mul(self, op.CastLike(alpha, self))
+    return op.Sub(op.CastLike(other, self), self)
+
+
 def check_translations() -> dict[Any, Any]:
     """Translations for the operators a data check leaves behind. transformers writes its checks
     as ``torch._check`` on a tensor (``torch_compilable_check``: RT-DETRv2, D-FINE), which reaches the
@@ -69,6 +80,14 @@ def check_translations() -> dict[Any, Any]:
     keeps the ``_is_all_true`` it read, which it has no translation for. Translated (a minimum over
     all elements), it is then unused and the optimizer removes it."""
     return {torch.ops.aten._is_all_true.default: _all_true}
+
+
+def promotion_translations() -> dict[Any, Any]:
+    """``number - tensor`` (``aten.rsub.Scalar``): torch.onnx decomposes it into ``sub(number,
+    tensor)``, an overload that does not exist, so an integer mask subtracted from a float
+    (XLNet's ``1.0 - attention_mask``) failed the export. Translated directly, with torch's
+    promotion of an integer tensor to float."""
+    return {torch.ops.aten.rsub.Scalar: _rsub_scalar}
 
 
 def torch_program(
@@ -113,7 +132,8 @@ def torch_program(
                 dynamic_shapes=dynamic_shapes,
                 verbose=False,
                 report=False,
-                custom_translation_table={**check_translations(), **(custom_translation_table or {})},
+                custom_translation_table={**check_translations(), **promotion_translations(),
+                                          **(custom_translation_table or {})},
             )
 
     try:
