@@ -321,3 +321,18 @@ def flatten_outputs(outputs: Any) -> list[torch.Tensor]:
     """A model's outputs (a tensor, or any nesting of tuples/lists/dicts) as a flat list."""
     leaves = torch.utils._pytree.tree_leaves(outputs)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def speech_feature_width(config: Any) -> int | None:
+    """How many features a speech model reads per frame, as its config names them (Speech2Text's
+    ``input_feat_per_channel`` × channels, Whisper's ``num_mel_bins``, ``feature_size``, Wav2Vec2-BERT's
+    ``feature_projection_input_dim``, or a composite's ``encoder_config``'s); ``None`` where none is named."""
+    per_channel = getattr(config, "input_feat_per_channel", None)
+    if isinstance(per_channel, int):
+        return per_channel * int(getattr(config, "input_channels", 1) or 1)
+    for name in ("feature_projection_input_dim", "num_mel_bins", "feature_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    encoder = getattr(config, "encoder_config", None)
+    return speech_feature_width(encoder) if encoder is not None and encoder is not config else None

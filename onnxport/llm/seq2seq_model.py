@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._core.adapters import adapter_for
+from .._core.inputs import speech_feature_width
 from ..errors import ExportRefusedError, InvalidArgumentError
 from .model import returned_cache
 from .names import (
@@ -313,18 +314,13 @@ DEFAULT_SAMPLING_RATE = 16000
 
 
 def _feature_width(config: Any) -> int:
-    """How many features a speech encoder reads per frame, as its config names them."""
-    per_channel = getattr(config, "input_feat_per_channel", None)
-    if isinstance(per_channel, int):
-        return per_channel * int(getattr(config, "input_channels", 1) or 1)
-    for name in ("num_mel_bins", "feature_size", "feature_projection_input_dim"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ExportRefusedError(
-        f"{type(config).__name__} names neither how many features its encoder reads per frame "
-        f"(input_feat_per_channel, num_mel_bins, feature_size) nor a fixed number of frames."
-    )
+    width = speech_feature_width(config)
+    if width is None:
+        raise ExportRefusedError(
+            f"{type(config).__name__} names neither how many features its encoder reads per frame "
+            f"(input_feat_per_channel, num_mel_bins, feature_size) nor a fixed number of frames."
+        )
+    return width
 
 
 def source_input(model: Any) -> str:

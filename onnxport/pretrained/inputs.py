@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._core.inputs import speech_feature_width
 from ..errors import InvalidArgumentError
 from .tasks import Task
 
@@ -192,10 +193,8 @@ def _frame_features(model: torch.nn.Module, config: Any, generator: torch.Genera
     ``None`` for a waveform model."""
     if getattr(model, "main_input_name", None) != "input_features":
         return None
-    width = getattr(config, "feature_projection_input_dim", None)
-    if not isinstance(width, int):
-        width = getattr(_sub(config, "encoder_config"), "num_mel_bins", None)
-    if not isinstance(width, int):
+    width = speech_feature_width(config)
+    if width is None:
         raise InvalidArgumentError(
             f"{type(model).__name__} reads input_features, but its config names neither their width "
             f"(feature_projection_input_dim, num_mel_bins); export it with export_onnx and example inputs.")
