@@ -221,3 +221,18 @@ def test_a_document_model_takes_word_boxes():
         assert (boxes[..., 2] >= boxes[..., 0]).all() and (boxes[..., 3] >= boxes[..., 1]).all()
         with torch.no_grad():
             layoutlm(**sample)
+
+
+def test_a_markup_model_takes_each_tokens_xpath():
+    markup = _built("MarkupLMConfig", "MarkupLMForTokenClassification", **SMALL, vocab_size=100,
+                    max_position_embeddings=64, max_depth=6, xpath_unit_hidden_size=8, num_labels=3)
+    signature = build_signature(markup, get_task("token-classification"))
+    assert signature.names[-2:] == ["xpath_tags_seq", "xpath_subs_seq"]
+    for sample in _both_sizes(signature):
+        for name, limit in (("xpath_tags_seq", 256), ("xpath_subs_seq", 1024)):
+            assert sample[name].shape == (*sample["input_ids"].shape, 6) and int(sample[name].max()) < limit
+        with torch.no_grad():
+            given = markup(**sample).logits
+            # the model falls back to padding XPaths without them: the inputs are read
+            assert not torch.allclose(given, markup(input_ids=sample["input_ids"],
+                                                    attention_mask=sample["attention_mask"]).logits)

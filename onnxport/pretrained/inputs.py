@@ -139,6 +139,15 @@ def _text(model: torch.nn.Module, config: Any, shape: tuple[int, ...], generator
     if _accepts(model, "bbox") and isinstance(grid, int) and grid > 1:
         names.append("bbox")  # a document model's word boxes (LayoutLM, LiLT): x0 <= x1, y0 <= y1
         sample.append(_boxes(shape, min(grid, 1001), generator))
+    depth = getattr(config, "max_depth", None)
+    if isinstance(depth, int) and depth > 0:
+        # a markup model's XPath of each token (MarkupLM): tag and subscript ids per level
+        for name, limit in (("xpath_tags_seq", "max_xpath_tag_unit_embeddings"),
+                            ("xpath_subs_seq", "max_xpath_subs_unit_embeddings")):
+            size = getattr(config, limit, None)
+            if _accepts(model, name) and isinstance(size, int) and size > 0:
+                names.append(name)
+                sample.append(torch.randint(0, size, (*shape, depth), generator=generator))
     return Signature(names, sample, {name: dict(axes_of_text) for name in names})
 
 
