@@ -76,3 +76,25 @@ def ort_optimised_ops(model) -> list[str]:
     bodies = [n for node in optimised.graph.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH
               for n in a.g.node]
     return [n.op_type for n in optimised.graph.node] + [n.op_type for n in bodies]
+
+
+def families(names, *, by_default) -> list:
+    """A per-family matrix's parameters: the families in ``by_default`` (one of each code path the
+    matrix covers) run in the default run, which CI runs; the rest are marked slow (``-m slow``)."""
+    unknown = set(by_default) - set(names)
+    assert not unknown, unknown
+    return [name if name in by_default else pytest.param(name, marks=pytest.mark.slow) for name in names]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module-scoped fixture (exported files, a trained model) run on one
+    worker (``--dist=loadgroup``): spread over two, each worker builds the fixture again."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("xdist_group"):
+            continue
+        shared = sorted(name for name in info.names_closure
+                        if (defs := info.name2fixturedefs.get(name)) and defs[-1].scope == "module")
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{'+'.join(shared)}"))

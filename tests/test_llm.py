@@ -27,6 +27,7 @@ from onnxport import DecoderFile, export_decoder, generate
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.llm.names import past_names
 from onnxport.passes.ort_fusions import OrtFusionPass
+from tests.conftest import families
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
@@ -75,7 +76,10 @@ def _dims(value: onnx.ValueInfoProto) -> list:
     return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gpt2"])
+# llama: the base; qwen3: q/k norms; phi3: fused projections; gemma2: soft-capping and alternating
+# windows; gpt2: learned positions and Conv1D (qwen2, mistral, gemma repeat these with variations)
+@pytest.mark.parametrize("family", families(["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gpt2"],
+                                            by_default=("llama", "qwen3", "phi3", "gemma2", "gpt2")))
 def test_fp32_decoder_generates_what_transformers_generates(family, tmp_path):
     model = _model(family)
     result = export_decoder(model, tmp_path / "decoder.onnx")
@@ -368,7 +372,8 @@ def test_cli_exports_a_folder_with_its_genai_config_and_generates(tmp_path, caps
     assert "save_pretrained" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2"])
+@pytest.mark.parametrize("family", families(["qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2"],
+                                            by_default=("qwen3", "phi3", "gemma2")))
 def test_ort_cpu_decoder_of_every_family_generates_what_transformers_generates(family, tmp_path):
     # (Llama's and GPT-2's 'ort-cpu' files have their own tests above)
     model = _model(family)
@@ -438,7 +443,8 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
     assert agreement >= 0.9, f"{agreement:.1%} of the int4 file's greedy tokens are the torchao model's"
 
 
-@pytest.mark.parametrize(("family", "flavour"), [("qwen3_moe", "portable"), ("qwen3_moe", "ort-cpu"),
+@pytest.mark.parametrize(("family", "flavour"), [("qwen3_moe", "portable"),
+                                               pytest.param("qwen3_moe", "ort-cpu", marks=pytest.mark.slow),
                                                ("mixtral", "ort-cpu"), ("deepseek_v3", "portable")])
 def test_mixture_of_experts_decoders_generate_what_transformers_generates(family, flavour, tmp_path):
     # transformers' default experts run through a custom operator torch.onnx cannot translate; the

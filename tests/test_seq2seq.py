@@ -12,6 +12,7 @@ import torch
 
 from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.llm import export_seq2seq, generate
+from tests.conftest import families
 
 from .seq2seq_models import FAMILIES, SMALL, VOCAB, WHISPER_TOKENS, bart_like, whisper
 
@@ -59,7 +60,9 @@ def exported(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# bart: learned positions and its adapter; marian: sinusoidal positions and a logits bias; t5: relative
+# position bias and a tied, scaled head (the rest repeat these with variations)
+@pytest.mark.parametrize("family", families(sorted(FAMILIES), by_default=("bart", "marian", "t5")))
 def test_files_generate_what_transformers_generates(family, exported):
     model, result = exported(family)
     assert result.token_agreement == 1.0 and result.agreement and result.encoder_agreement
@@ -435,7 +438,8 @@ def trained_bart():
     return model, source, expected
 
 
-@pytest.mark.parametrize(("precision", "flavour"), [("int4", "portable"), ("int8", "portable"), ("int4", "ort-cpu")])
+@pytest.mark.parametrize(("precision", "flavour"), [("int4", "portable"), pytest.param("int8", "portable", marks=pytest.mark.slow),
+                                                    ("int4", "ort-cpu")])
 def test_weight_only_files_of_a_trained_model_generate_its_tokens(trained_bart, precision, flavour, tmp_path):
     from onnxport.exporters.weight_only import file_weights
 
