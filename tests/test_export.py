@@ -244,7 +244,7 @@ def test_a_data_check_on_a_tensor_leaves_nothing_in_the_file(tmp_path):
 
 
 class _InvertedMask(torch.nn.Module):
-    """XLNet's ``1.0 - attention_mask`` on an integer mask, scaled as a half-precision model would."""
+    """XLNet's ``1.0 - attention_mask`` on an integer mask, and an integer minus an integer mask."""
 
     def forward(self, mask, scale):
         return (1.0 - mask)[None] * scale, 3 - mask
