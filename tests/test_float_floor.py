@@ -63,6 +63,23 @@ def _tanh_gelu(model: nn.Module) -> None:
             module.approximate = "tanh"
 
 
+
+def test_a_group_norm_over_a_large_group_stays_on_its_floor(tmp_path):
+    """GroupNorm(1, C) (PoolFormer, ConvNeXt-style GN nets) normalises C×H×W values at once. torch.onnx
+    writes it as an InstanceNormalization, whose ONNX Runtime kernel sums in float32: 28x the floor on
+    this block (AVX2 EPYC). The exporter writes it as a LayerNormalization, which sums in double."""
+    import onnx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GroupNorm(1, 64), nn.GELU(),
+                          nn.Conv2d(64, 64, 1), nn.GroupNorm(1, 64)).eval()
+    x = torch.randn(1, 3, 56, 56) * 2 + 1
+    path = _file_of(model, x, tmp_path / "gn.onnx")
+    ops = [n.op_type for n in onnx.load(path).graph.node]
+    assert ops.count("LayerNormalization") == 2 and "InstanceNormalization" not in ops
+    report = compare_onnx(model, path, x, rounding_floor=True)
+    assert report.passed and report.outputs[0].floor_ratio <= 2, str(report)
+
 @pytest.mark.parametrize("defect", [_largest_weight_through_bfloat16, _layer_norm_epsilon, _tanh_gelu],
                          ids=["bfloat16 weight", "layernorm epsilon", "tanh gelu"])
 def test_planted_defects_fail_the_floor(tmp_path, defect):

@@ -1076,3 +1076,40 @@ def test_mixture_of_experts_becomes_what_onnx_runtimes_cpu_kernels_take(quantize
     np.put_along_axis(logits, index, np.log(weights), 1)
     np.testing.assert_allclose(run(rewritten, {"x": x, "logits": logits}, optimized=False)[0],
                                _moe_reference(x, fc1, fc2, index, weights), rtol=1e-4, atol=1e-5)
+
+
+def test_a_group_norms_instance_norm_becomes_a_layer_norm_in_bodies_too():
+    from onnxport.passes.instance_norm import InstanceNormAsLayerNormPass
+
+    def body(p):  # torch.onnx's GroupNorm(2, 4): reshape to groups, instance norm, reshape back
+        return [helper.make_node("Reshape", ["x", "groups"], [f"{p}_g"]),
+                helper.make_node("InstanceNormalization", [f"{p}_g", "ones", "zeros"], [f"{p}_n"], epsilon=1e-3),
+                helper.make_node("Reshape", [f"{p}_n", "back"], ["same"])]
+
+    inits = [_c("groups", np.array([2, 2, -1])), _c("back", np.array([2, 4, 8, 8])),
+             _c("ones", np.ones(2, np.float32)), _c("zeros", np.zeros(2, np.float32))]
+    model = _if_model(body, inits, [2, 4, 8, 8], [2, 4, 8, 8], opset=17)
+    rewritten, first, second = _apply(InstanceNormAsLayerNormPass(), model)
+    assert (first, second) == (True, False)
+    norms = [n for n in _body_nodes(rewritten) if n.op_type == "LayerNormalization"]
+    assert len(norms) == 2 and not [n for n in _body_nodes(rewritten) if n.op_type == "InstanceNormalization"]
+    assert all(helper.get_attribute_value(a) == (2 if a.name == "axis" else pytest.approx(1e-3))
+               for n in norms for a in n.attribute)
+    # one shared one-element scale and shift in the main graph; the instance norms' own are gone
+    assert sorted(i.name for i in rewritten.graph.initializer) == [
+        "back", "groups", "layer_norm_scale_float", "layer_norm_shift_float"]
+    onnx.checker.check_model(rewritten, full_check=True)
+    for flag in (True, False):
+        x = (RNG.standard_normal((2, 4, 8, 8)) * 3 + 2).astype(np.float32)
+        grouped = x.astype(np.float64).reshape(2, 2, -1)
+        mean, var = grouped.mean(-1, keepdims=True), grouped.var(-1, keepdims=True)
+        expected = ((grouped - mean) / np.sqrt(var + 1e-3)).reshape(x.shape)
+        for optimized in (False, True):
+            (got,) = run(rewritten, {"x": x, "flag": np.array(flag)}, optimized=optimized)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+    # below opset 17 (no LayerNormalization) and with a real scale, nothing changes
+    _, older, _ = _apply(InstanceNormAsLayerNormPass(), _if_model(body, inits, [2, 4, 8, 8], [2, 4, 8, 8], opset=16))
+    scaled = [*inits[:2], _c("ones", np.array([1.0, 2.0], np.float32)), inits[3]]
+    _, affine, _ = _apply(InstanceNormAsLayerNormPass(), _if_model(body, scaled, [2, 4, 8, 8], [2, 4, 8, 8], opset=17))
+    assert (older, affine) == (False, False)
