@@ -7,7 +7,7 @@ file's inputs."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,21 +89,26 @@ def _text_file(path: Path, signature: Signature, folder: Path | None, samples: i
     return _batches(_checked(columns, signature, f"calibration '{path}' (tokenized)"), samples)
 
 
-def _image_folder(path: Path, signature: Signature, folder: Path | None, samples: int) -> list:
+def _image_folder(path: Path, signature: Signature, folder: Path | None, samples: int,
+                  preprocess: Callable[[list[Any]], torch.Tensor] | None = None) -> list:
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[:samples]
     if not files:
         raise InvalidArgumentError(f"calibration folder '{path}' holds no images ({', '.join(IMAGE_SUFFIXES)}).")
     if signature.names != ["pixel_values"]:
         raise InvalidArgumentError(f"calibration folder '{path}' holds images, but the file takes {signature.names}.")
-    if folder is None or not (folder / "preprocessor_config.json").is_file():
-        raise InvalidArgumentError("calibration images need the folder's preprocessor_config.json to be resized and "
-                                   "normalised as the model expects; give calibration as a .npz.")
     from PIL import Image
-    from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
-    images = [Image.open(f).convert("RGB") for f in files]
-    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    if preprocess is not None:
+        pixels = preprocess([Image.open(f).convert("RGB") for f in files])
+    else:
+        if folder is None or not (folder / "preprocessor_config.json").is_file():
+            raise InvalidArgumentError("calibration images need the folder's preprocessor_config.json to be resized "
+                                       "and normalised as the model expects; give calibration as a .npz.")
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+        images = [Image.open(f).convert("RGB") for f in files]
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
     return _batches(_checked({"pixel_values": pixels}, signature, f"calibration folder '{path}'"), samples)
 
 
@@ -131,8 +136,10 @@ def _audio_folder(path: Path, signature: Signature, folder: Path | None, samples
 
 
 def calibration_batches(calibration: Any, signature: Signature, folder: Path | None, *, samples: int,
-                        length: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """Batches of keyword inputs for the Quantizer from any supported ``calibration`` source."""
+                        length: int | None = None,
+                        preprocess: Callable[[list[Any]], torch.Tensor] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Batches of keyword inputs for the Quantizer from any supported ``calibration`` source
+    (``preprocess``: the source's own image transform, where it has no preprocessor_config.json)."""
     if isinstance(calibration, (str, os.PathLike)):
         path = Path(calibration)
         if not path.exists():
@@ -141,7 +148,7 @@ def calibration_batches(calibration: Any, signature: Signature, folder: Path | N
             suffixes = {p.suffix.lower() for p in path.iterdir()}
             if suffixes & set(AUDIO_SUFFIXES):
                 return _audio_folder(path, signature, folder, samples)
-            return _image_folder(path, signature, folder, samples)
+            return _image_folder(path, signature, folder, samples, preprocess)
         if path.suffix == ".npz":
             try:
                 with np.load(path) as data:

@@ -119,7 +119,7 @@ def _load(source: Any, task: str, trust_remote_code: bool, weights: Any) -> Load
     if isinstance(source, torch.nn.Module):
         return load_module(source, task)
     if isinstance(source, str) and source.startswith(TIMM_PREFIX):
-        return load_timm(source, weights)
+        return load_timm(source, weights, task)
     if isinstance(source, (str, os.PathLike)):
         return load_folder(Path(source), task, trust_remote_code=trust_remote_code)
     raise InvalidArgumentError(
@@ -219,15 +219,17 @@ def export_pretrained(
         raise InvalidArgumentError(f"calibration_samples must be a positive integer, not {calibration_samples!r}.")
 
     loaded = _load(source, task, trust_remote_code, weights)
-    signature = build_signature(loaded.model, loaded.task, loaded.preprocessor)
+    signature = build_signature(loaded.model, loaded.task, loaded.preprocessor, image_size=loaded.image_size)
     extra = _extra_kwargs(loaded.model)
     signature.outputs = _output_fields(loaded, signature, extra)
     wrapper = TaskOutputs(loaded.model, signature.outputs, extra).eval()
     batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
-                                   length=calibration_length) if quantize == "int8" else None)
+                                   length=calibration_length, preprocess=loaded.preprocess)
+               if quantize == "int8" else None)
 
     # the family's changes for capture, on a model loaded here or given (undone afterwards)
-    capturing = adapter_for(str(getattr(loaded.model.config, "model_type", ""))).capturing(loaded.model)
+    model_type = str(getattr(getattr(loaded.model, "config", None), "model_type", ""))
+    capturing = adapter_for(model_type).capturing(loaded.model)
     with output_folder_stage(folder) as stage, capturing:
         path = stage / MODEL_FILE
         quantization, proofs = _write_fixing_axes(wrapper, loaded.task, signature, path, quantize=quantize,
@@ -345,10 +347,14 @@ def _record(result: PretrainedExport, loaded: Loaded) -> dict[str, Any]:
 
     from .._version import __version__
 
-    return {
+    record = {
         "task": result.task, "source": loaded.description, "model_file": MODEL_FILE,
         "inputs": [{"name": n, "axes": result.axes.get(n, {})} for n in result.inputs],
         "outputs": result.outputs, "proofs": result.proofs, "quantization": result.quantization,
         "versions": {"onnxport": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }
+    if loaded.preprocessing is not None:
+        # a source without a processor file (timm): how its pixels are made, for the deployment
+        record["preprocessing"] = loaded.preprocessing
+    return record

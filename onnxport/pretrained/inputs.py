@@ -211,10 +211,18 @@ def _frame_features(model: torch.nn.Module, config: Any, generator: torch.Genera
     return Signature(["input_features"], [features], {"input_features": {0: "batch", 1: "frames"}})
 
 
-def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[str, Any] | None = None) -> Signature:
-    """The example inputs and symbolic axes of ``model`` for ``task`` (no output names yet)."""
-    config = model.config
+def build_signature(model: torch.nn.Module, task: Task, preprocessor: Mapping[str, Any] | None = None, *,
+                    image_size: tuple[int, int, int] | None = None) -> Signature:
+    """The example inputs and symbolic axes of ``model`` for ``task`` (no output names yet).
+
+    ``image_size``: (channels, height, width) of a model without a transformers config (timm),
+    which then takes ``pixel_values`` alone.
+    """
     generator = torch.Generator().manual_seed(0)
+    if image_size is not None:
+        pixels = torch.randn(MEDIA_BATCH, *image_size, generator=generator)
+        return Signature(["pixel_values"], [pixels], {"pixel_values": {0: "batch"}})
+    config = model.config
     modality = modality_of(model, task)
     if modality == "text":
         return _text(model, config, (BATCH, _sequence(config)), generator, "batch", {0: "batch", 1: "sequence"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,21 @@ TIMM_PREFIX = "timm:"
 
 @dataclass
 class Loaded:
-    """A model ready to export: the module (eval mode, float32), its task, where it came from."""
+    """A model ready to export: the module (eval mode, float32), its task, where it came from.
+
+    A source without a transformers config (timm) states the rest itself: ``image_size`` (channels,
+    height, width of its ``pixel_values``), ``preprocess`` (PIL images to the pixels it was trained
+    on, for calibration images) and ``preprocessing`` (the same, as a record for the deployment).
+    """
 
     model: torch.nn.Module
     task: Task
     folder: Path | None = None
     description: str = ""
     preprocessor: dict[str, Any] = field(default_factory=dict)
+    image_size: tuple[int, int, int] | None = None
+    preprocess: Callable[[list[Any]], torch.Tensor] | None = None
+    preprocessing: dict[str, Any] | None = None
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -133,38 +142,110 @@ def _takes_pixels(config: Any, architectures: list[str] | None = None) -> bool:
     return any(getattr(c, "main_input_name", None) == "pixel_values" for c in classes if c is not None)
 
 
-def load_timm(spec: str, weights: str | os.PathLike | None) -> Loaded:
-    """``timm:NAME`` (random weights, or ``weights`` a local state dict or safetensors file)."""
+#: The tasks a timm model does: its classifier's logits, or (``num_classes=0``) its pooled embedding.
+TIMM_OUTPUTS = {"image-classification": "logits", "image-feature-extraction": "pooler_output"}
+
+
+class NamedOutputs(torch.nn.Module):
+    """A module that returns a tensor (timm's), giving it as the task's named field, as a
+    transformers model gives its outputs."""
+
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        super().__init__()
+        self.model, self.output_name = model, name
+
+    def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self.output_name: self.model(pixel_values)}
+
+
+def load_timm(spec: str, weights: str | os.PathLike | None, task_name: str = "auto") -> Loaded:
+    """``timm:NAME`` (random weights, or ``weights`` a local state dict or safetensors file) for
+    image-classification (``'auto'``) or image-feature-extraction (the pooled embedding)."""
     name = spec[len(TIMM_PREFIX):]
     if not name:
         raise InvalidArgumentError("source 'timm:' names no model; give timm:NAME, e.g. timm:resnet18.")
+    if ":" in name:
+        raise InvalidArgumentError(
+            f"source '{spec}' names a timm model by a hub or folder source; nothing is downloaded or read from "
+            f"elsewhere: give timm:ARCHITECTURE and weights= a local state dict or .safetensors file."
+        )
+    task = get_task("image-classification" if task_name == "auto" else task_name)
+    if task.name not in TIMM_OUTPUTS:
+        raise InvalidArgumentError(
+            f"task={task.name!r} is not one a timm model does; pass task='image-classification' (the logits) or "
+            f"'image-feature-extraction' (the pooled embedding)."
+        )
+    if weights is not None and not Path(weights).is_file():
+        raise InvalidArgumentError(f"weights '{weights}' is not a file: give a state dict (.pt/.pth) or .safetensors.")
     try:
         import timm
-    except ImportError as error:
+        from timm.data import create_transform, resolve_model_data_config
+    except Exception as error:  # a torchvision built for another torch fails with RuntimeError, not ImportError
         raise DependencyError(
-            f"source '{spec}' needs timm, which cannot be imported here ({error}); install timm (it needs "
-            f"torchvision, a build matching your torch)."
+            f"source '{spec}' needs timm, which cannot be imported here ({type(error).__name__}: "
+            f"{_first_line(error)}); install timm and a torchvision built for this torch ({torch.__version__})."
         ) from error
+    if name not in timm.list_models() and name.split(".")[0] not in timm.list_models():
+        raise InvalidArgumentError(f"timm {timm.__version__} has no model '{name}'; timm.list_models() lists them.")
+    state = _timm_state(timm, Path(weights)) if weights is not None else None
+    options: dict[str, Any] = {}
+    if task.name == "image-feature-extraction":
+        options["num_classes"] = 0
+    elif state is not None:
+        options.update(_timm_head(timm, name, state))
     try:
-        model = timm.create_model(name, pretrained=False)
-    except RuntimeError as error:
-        raise InvalidArgumentError(f"timm has no model '{name}' ({_first_line(error)}).") from error
-    if weights is not None:
-        model.load_state_dict(_state_dict(Path(weights)))
-    return Loaded(model.eval(), get_task("image-classification"), None, f"timm {name}")
+        model = timm.create_model(name, pretrained=False, **options)
+    except Exception as error:  # timm raises RuntimeError, KeyError, AssertionError by model
+        raise InvalidArgumentError(f"timm cannot build '{name}' ({type(error).__name__}: {_first_line(error)}).") \
+            from error
+    if state is not None:
+        _load_timm_state(model, state, Path(weights or ""), task)
+    model.eval()
+    data = resolve_model_data_config(model)
+    channels, height, width = (int(n) for n in data["input_size"])
+    transform = create_transform(**data, is_training=False)
+
+    def preprocess(images: list[Any]) -> torch.Tensor:
+        return torch.stack([transform(image) for image in images])
+
+    record = {key: (list(value) if isinstance(value, tuple) else value) for key, value in data.items()}
+    return Loaded(NamedOutputs(model, TIMM_OUTPUTS[task.name]).eval(), task, None, f"timm {name}",
+                  image_size=(channels, height, width), preprocess=preprocess,
+                  preprocessing={"library": f"timm {timm.__version__}", **record})
 
 
-def _state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise InvalidArgumentError(f"weights '{path}' is not a file: give a state dict (.pt/.pth) or .safetensors.")
+def _timm_state(timm: Any, path: Path) -> dict[str, torch.Tensor]:
+    """timm's own reader: a state dict, a training checkpoint (its EMA weights first, without
+    DataParallel's prefixes) or safetensors, unpickled with ``weights_only``."""
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return timm.models.load_state_dict(str(path))
     except Exception as error:  # torch and safetensors raise many types
         raise InvalidArgumentError(f"weights '{path}' cannot be read ({_first_line(error)}).") from error
+
+
+def _timm_head(timm: Any, name: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``num_classes`` from the checkpoint's classifier, so a model fine-tuned on its own classes
+    loads (timm names the classifier module in the model's pretrained config)."""
+    classifier = timm.models.get_pretrained_cfg_value(name, "classifier")
+    for module in classifier if isinstance(classifier, (list, tuple)) else [classifier]:
+        weight = state.get(f"{module}.weight") if isinstance(module, str) else None
+        if isinstance(weight, torch.Tensor) and weight.dim() >= 1:
+            return {"num_classes": int(weight.shape[0])}
+    return {}
+
+
+def _load_timm_state(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, task: Task) -> None:
+    if task.name == "image-feature-extraction":
+        # the embedding is the classifier's input: a checkpoint's head is not part of it
+        own = model.state_dict()
+        state = {k: v for k, v in state.items() if k in own}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        raise InvalidArgumentError(
+            f"weights '{path}' do not fit this model ({_first_line(error)}); give the state dict of the same timm "
+            f"architecture."
+        ) from error
 
 
 def load_module(model: torch.nn.Module, task_name: str) -> Loaded:
