@@ -87,8 +87,11 @@ def test_int8_from_a_text_file(tmp_path):
     assert [v.name for v in graph.input] == ["input_ids", "attention_mask", "token_type_ids"]
     assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
     assert sum(n.op_type == "QuantizeLinear" for n in graph.node) > 4
-    # proven against its pt2e model within twice that model's own rounding floor (or cosine >= 0.9999)
+    # proven against its pt2e model within twice that model's own rounding floor (or cosine >= 0.9999),
+    # on what it was calibrated for: the first calibration batch's lines, at the sample's shapes
     (proof,) = result.proofs
+    assert proof["size"] == "first calibration batch"
+    assert proof["shapes"] == {"input_ids": [2, 16], "attention_mask": [2, 16], "token_type_ids": [2, 16]}
     for o in proof["outputs"]:
         assert o["cosine_similarity"] >= 0.9999 or 1 - o["cosine_similarity"] <= 2 * (1 - min(o["rounding_floor"]))
 

@@ -135,7 +135,7 @@ def test_timm_int8_calibrated_on_images_through_timms_own_transform(tmp_path: Pa
     # six images of other sizes made one batch of the model's pixels: without timm's transform the
     # folder would be refused (it has no preprocessor_config.json)
     assert result.quantization is not None and result.quantization["calibration_batches"] == 1
-    assert all(proof["passed"] for proof in result.proofs)
+    assert [proof["size"] for proof in result.proofs] == ["first calibration batch"] and result.proofs[0]["passed"]
     (logits,) = _run(result.path, torch.randn(2, 3, 160, 160))
     assert logits.shape == (2, 1000) and np.isfinite(logits).all()
     with pytest.raises(InvalidArgumentError, match="no model 'no_such_net'"):

@@ -295,8 +295,25 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
                                                                             dynamic_batch=batch)
     export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
                dynamic_batch=batch)
+    proof_sample, label = _calibration_sample(batches or [], sample)
+    proof = _prove_qdq(quantized, path, proof_sample, label=label)
     return ({"scheme": "pt2e static INT8", "target": target or "onnxruntime", "calibration_batches": len(batches or [])},
-            [_prove_qdq(quantized, path, sample)])
+            [proof])
+
+
+def _calibration_sample(batches: list[dict[str, torch.Tensor]], sample: dict[str, torch.Tensor]
+                        ) -> tuple[dict[str, torch.Tensor], str]:
+    """The static file's proof input: the first calibration batch, cut to the sample's batch (the
+    data the file was calibrated for, as it is deployed: random pixels or noise lie outside the
+    ranges it learned, where a random-weight model's rounding flips compound), or the sample where
+    the batch's shapes are not the sample's."""
+    if not batches:
+        return sample, "sample"
+    first = {name: value[:len(sample[name])] for name, value in batches[0].items() if name in sample}
+    if set(first) != set(sample) or any(first[n].shape != sample[n].shape or first[n].dtype != sample[n].dtype
+                                         for n in sample):
+        return sample, "sample"
+    return first, "first calibration batch"
 
 
 def int4_group(model: torch.nn.Module) -> int:
@@ -326,12 +343,12 @@ def _write_weight_only(wrapper: TaskOutputs, signature: Signature, path: Path, q
 
 
 def _prove_qdq(quantized: Any, path: Path, sample: dict[str, torch.Tensor], *,
-               optimized: bool | None = None) -> dict[str, Any]:
+               optimized: bool | None = None, label: str = "sample") -> dict[str, Any]:
     """The quantized file within twice its quantized model's rounding floor (``compare_qdq``)."""
     from ..compare.quantized import compare_qdq
 
     report = compare_qdq(quantized, path, sample, rounding_floor=True, optimized=optimized)
-    record = _proof_record("sample", sample, report)
+    record = _proof_record(label, sample, report)
     failing = [o.name for o in report.outputs if o.within_floor is False]
     if failing:
         raise ExportRefusedError(
