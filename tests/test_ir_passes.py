@@ -1079,7 +1079,7 @@ def test_mixture_of_experts_becomes_what_onnx_runtimes_cpu_kernels_take(quantize
 
 
 def test_a_group_norms_instance_norm_becomes_a_layer_norm_in_bodies_too():
-    from onnxport.passes.instance_norm import InstanceNormAsLayerNormPass
+    from onnxport.passes.group_norm import GroupNormAsLayerNormPass
 
     def body(p):  # torch.onnx's GroupNorm(2, 4): reshape to groups, instance norm, reshape back
         return [helper.make_node("Reshape", ["x", "groups"], [f"{p}_g"]),
@@ -1089,7 +1089,7 @@ def test_a_group_norms_instance_norm_becomes_a_layer_norm_in_bodies_too():
     inits = [_c("groups", np.array([2, 2, -1])), _c("back", np.array([2, 4, 8, 8])),
              _c("ones", np.ones(2, np.float32)), _c("zeros", np.zeros(2, np.float32))]
     model = _if_model(body, inits, [2, 4, 8, 8], [2, 4, 8, 8], opset=17)
-    rewritten, first, second = _apply(InstanceNormAsLayerNormPass(), model)
+    rewritten, first, second = _apply(GroupNormAsLayerNormPass(), model)
     assert (first, second) == (True, False)
     norms = [n for n in _body_nodes(rewritten) if n.op_type == "LayerNormalization"]
     assert len(norms) == 2 and not [n for n in _body_nodes(rewritten) if n.op_type == "InstanceNormalization"]
@@ -1109,7 +1109,30 @@ def test_a_group_norms_instance_norm_becomes_a_layer_norm_in_bodies_too():
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
     # below opset 17 (no LayerNormalization) and with a real scale, nothing changes
-    _, older, _ = _apply(InstanceNormAsLayerNormPass(), _if_model(body, inits, [2, 4, 8, 8], [2, 4, 8, 8], opset=16))
+    _, older, _ = _apply(GroupNormAsLayerNormPass(), _if_model(body, inits, [2, 4, 8, 8], [2, 4, 8, 8], opset=16))
     scaled = [*inits[:2], _c("ones", np.array([1.0, 2.0], np.float32)), inits[3]]
-    _, affine, _ = _apply(InstanceNormAsLayerNormPass(), _if_model(body, scaled, [2, 4, 8, 8], [2, 4, 8, 8], opset=17))
+    _, affine, _ = _apply(GroupNormAsLayerNormPass(), _if_model(body, scaled, [2, 4, 8, 8], [2, 4, 8, 8], opset=17))
     assert (older, affine) == (False, False)
+
+
+def test_an_opset_21_group_normalization_becomes_a_layer_norm_with_its_channel_scale_in_bodies_too():
+    from onnxport.passes.group_norm import GroupNormAsLayerNormPass
+
+    def body(p):
+        return [helper.make_node("GroupNormalization", ["x", "scale", "shift"], ["same"], num_groups=2, epsilon=1e-3,
+                                 name=f"{p}_gn")]
+
+    scale, shift = RNG.standard_normal(4).astype(np.float32), RNG.standard_normal(4).astype(np.float32)
+    model = _if_model(body, [_c("scale", scale), _c("shift", shift)], [2, 4, 8, 8], [2, 4, 8, 8], opset=21)
+    rewritten, first, second = _apply(GroupNormAsLayerNormPass(), model)
+    assert (first, second) == (True, False)
+    ops = [n.op_type for n in _body_nodes(rewritten)]
+    assert "GroupNormalization" not in ops and ops.count("LayerNormalization") == 2
+    onnx.checker.check_model(rewritten, full_check=True)
+    for flag in (True, False):
+        x = (RNG.standard_normal((2, 4, 8, 8)) * 3 + 2).astype(np.float32)
+        grouped = x.astype(np.float64).reshape(2, 2, -1)
+        normed = ((grouped - grouped.mean(-1, keepdims=True)) / np.sqrt(grouped.var(-1, keepdims=True) + 1e-3))
+        expected = normed.reshape(x.shape) * scale[:, None, None] + shift[:, None, None]
+        (got,) = run(rewritten, {"x": x, "flag": np.array(flag)}, optimized=False)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
