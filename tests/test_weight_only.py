@@ -214,6 +214,13 @@ def test_weight_only_construction_errors():
     with pytest.raises(InvalidArgumentError, match="no nn.Linear"):
         Quantizer(backend="torchao", method="int8_weight_only").quantize(nn.Sequential(nn.ReLU()))
 
+    class ScaledLinear(nn.Linear):  # a subclass may compute otherwise with its weight (timm's heads are one)
+        def forward(self, x):
+            return nn.functional.linear(x, 2 * self.weight, self.bias)
+
+    with pytest.raises(InvalidArgumentError, match=r"subclasses of them are left float.*'1' \(.*ScaledLinear\)"):
+        Quantizer(backend="torchao", method="int8_weight_only").quantize(nn.Sequential(nn.ReLU(), ScaledLinear(4, 2)))
+
 
 
 def test_external_data_path_writes_a_complete_checked_pair(tmp_path, monkeypatch):

@@ -173,9 +173,14 @@ def quantize_weight_only(
 
     names = _check_groups(model, group_size, embeddings)
     if not names and not expert_weights(model):
+        kinds = (torch.nn.Linear, torch.nn.Embedding) if embeddings else (torch.nn.Linear,)
+        subclasses = [f"'{name}' ({type(m).__module__}.{type(m).__qualname__})" for name, m in model.named_modules()
+                      if isinstance(m, kinds) and type(m) not in kinds]
+        left = (f"; subclasses of them are left float, as they may compute something else with the weight: "
+                f"{', '.join(subclasses[:3])}" if subclasses else "")
         raise InvalidArgumentError(
             f"{type(model).__name__} has no nn.Linear{' or nn.Embedding' if embeddings else ''} layer, so "
-            f"'{method}' has nothing to quantize."
+            f"'{method}' has nothing to quantize{left}."
         )
     _check_shared_weights(model, set(names), untie)
     config = IntxWeightOnlyConfig(
