@@ -1123,14 +1123,19 @@ def test_an_opset_21_group_normalization_becomes_a_layer_norm_with_its_channel_s
                                  name=f"{p}_gn")]
 
     scale, shift = RNG.standard_normal(4).astype(np.float32), RNG.standard_normal(4).astype(np.float32)
-    model = _if_model(body, [_c("scale", scale), _c("shift", shift)], [2, 4, 8, 8], [2, 4, 8, 8], opset=21)
+    inits = [_c("scale", scale), _c("shift", shift)]
+    # a group of 2 x 8 x 8 values: ORT's own kernel is within a few times torch's rounding there, and faster
+    _, small, _ = _apply(GroupNormAsLayerNormPass(), _if_model(body, inits, [2, 4, 8, 8], [2, 4, 8, 8], opset=21))
+    assert not small
+    shape = [2, 4, 128, 256]  # 2 x 128 x 256 = 65,536 values a group: rewritten
+    model = _if_model(body, inits, shape, shape, opset=21)
     rewritten, first, second = _apply(GroupNormAsLayerNormPass(), model)
     assert (first, second) == (True, False)
     ops = [n.op_type for n in _body_nodes(rewritten)]
     assert "GroupNormalization" not in ops and ops.count("LayerNormalization") == 2
     onnx.checker.check_model(rewritten, full_check=True)
     for flag in (True, False):
-        x = (RNG.standard_normal((2, 4, 8, 8)) * 3 + 2).astype(np.float32)
+        x = (RNG.standard_normal(shape) * 3 + 2).astype(np.float32)
         grouped = x.astype(np.float64).reshape(2, 2, -1)
         normed = ((grouped - grouped.mean(-1, keepdims=True)) / np.sqrt(grouped.var(-1, keepdims=True) + 1e-3))
         expected = normed.reshape(x.shape) * scale[:, None, None] + shift[:, None, None]
