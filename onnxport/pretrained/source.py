@@ -185,7 +185,8 @@ def load_timm(spec: str, weights: str | os.PathLike | None, task_name: str = "au
             f"source '{spec}' needs timm, which cannot be imported here ({type(error).__name__}: "
             f"{_first_line(error)}); install timm and a torchvision built for this torch ({torch.__version__})."
         ) from error
-    if name not in timm.list_models() and name.split(".")[0] not in timm.list_models():
+    known = set(timm.list_models())
+    if name not in known and name.split(".")[0] not in known:  # an architecture, or one with a pretrained tag
         raise InvalidArgumentError(f"timm {timm.__version__} has no model '{name}'; timm.list_models() lists them.")
     state = _timm_state(timm, Path(weights)) if weights is not None else None
     options: dict[str, Any] = {}
