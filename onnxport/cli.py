@@ -519,12 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SOURCE: int8 (pt2e static, needs --calibration), dynamic (activations quantized at "
                              "run time, no calibration), int4 or int8-weight-only (torchao weight-only); "
                              "MODEL: dynamic or static (ONNX Runtime's quantizer)")
-    export.add_argument("--task", help="SOURCE: a transformers pipeline task (default: read from config.json)")
+    export.add_argument("--task", help="SOURCE: a transformers pipeline task (default: read from config.json; "
+                                       "timm:NAME: image-classification, or image-feature-extraction for the "
+                                       "pooled embedding)")
     export.add_argument("--target", help="SOURCE with --quantize int8: the deployment target (default onnxruntime)")
     export.add_argument("--calibration-samples", type=int, default=64, help="SOURCE: calibration samples to use")
     export.add_argument("--trust-remote-code", action="store_true",
                         help="SOURCE: let a config with auto_map run the folder's own code")
-    export.add_argument("--weights", help="timm:NAME: a local state dict or .safetensors file")
+    export.add_argument("--weights", help="timm:NAME: a local state dict, training checkpoint or .safetensors file")
     export.add_argument("--calibration", help="SOURCE: a text file (one sample a line), a folder of images or audio, "
                                               "or a .npz; MODEL: .npy/.npz inputs, or 'random' (smoke tests only)")
     export.add_argument("--calibration-method", default="minmax", choices=("minmax", "entropy", "percentile"))
