@@ -101,8 +101,12 @@ def test_timm_weights_from_a_training_checkpoint_with_its_own_classes(tmp_path: 
     with torch.no_grad():
         expected = model(pixels).numpy()
 
-    result = export_pretrained("timm:test_resnet", tmp_path / "out", weights=tmp_path / "checkpoint.pth")
-    (logits,) = _run(result.path, pixels)
+    # the README's command
+    cli = subprocess.run([sys.executable, "-m", "onnxport.cli", "export", "timm:test_resnet", "-o", str(tmp_path / "out"),
+                          "--weights", str(tmp_path / "checkpoint.pth")], capture_output=True, text=True, check=False)
+    assert cli.returncode == 0, cli.stderr
+    assert "outputs logits" in cli.stdout and "float floor" in cli.stdout
+    (logits,) = _run(tmp_path / "out" / "model.onnx", pixels)
     assert logits.shape == (2, 7)
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
 
