@@ -82,12 +82,15 @@ def test_feature_frames_of_any_length_are_made_from_the_features_width(tmp_path)
         with torch.no_grad():
             assert model(**sample).logits.shape[:2] == sample["input_features"].shape[:2]
     # given in memory, it is captured in its family's context too (its rotary table's cached
-    # length set aside): the frames stay symbolic, and the model is left as it was
+    # length set aside): the frames stay symbolic, and the model is left as it was, its training
+    # mode too (exported and proven in eval mode: the file's proofs pass only without dropout)
+    model.train()
     with warnings.catch_warnings():
         warnings.simplefilter("error", FixedShapeWarning)
         result = export_pretrained(model, tmp_path / "onnx", task="automatic-speech-recognition")
     assert result.axes == {"input_features": {0: "batch", 1: "frames"}}
     assert not [name for name, module in model.named_modules() if "forward" in vars(module)]
+    assert all(module.training for module in model.modules())
 
 
 class _Rotary(torch.nn.Module):

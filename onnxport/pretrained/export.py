@@ -17,6 +17,7 @@ import torch
 from .._core.adapters import adapter_for
 from .._core.axes import second_size
 from .._core.io import check_output_folder, write_text_atomic
+from .._core.torch_helpers import eval_mode
 from ..engine import output_folder_stage
 from ..errors import ExportRefusedError, FixedAxesError, FixedShapeWarning, InvalidArgumentError, check_choice
 from .calibration import calibration_batches
@@ -219,28 +220,30 @@ def export_pretrained(
         raise InvalidArgumentError(f"calibration_samples must be a positive integer, not {calibration_samples!r}.")
 
     loaded = _load(source, task, trust_remote_code, weights)
-    signature = build_signature(loaded.model, loaded.task, loaded.preprocessor, image_size=loaded.image_size)
-    extra = _extra_kwargs(loaded.model)
-    signature.outputs = _output_fields(loaded, signature, extra)
-    wrapper = TaskOutputs(loaded.model, signature.outputs, extra).eval()
-    batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
-                                   length=calibration_length, preprocess=loaded.preprocess)
-               if quantize == "int8" else None)
+    # exported and proven in eval mode; a model given in training mode is given back in it
+    with eval_mode(loaded.model):
+        signature = build_signature(loaded.model, loaded.task, loaded.preprocessor, image_size=loaded.image_size)
+        extra = _extra_kwargs(loaded.model)
+        signature.outputs = _output_fields(loaded, signature, extra)
+        wrapper = TaskOutputs(loaded.model, signature.outputs, extra).eval()
+        batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
+                                       length=calibration_length, preprocess=loaded.preprocess)
+                   if quantize == "int8" else None)
 
-    # the family's changes for capture, on a model loaded here or given (undone afterwards)
-    model_type = str(getattr(getattr(loaded.model, "config", None), "model_type", ""))
-    capturing = adapter_for(model_type).capturing(loaded.model)
-    with output_folder_stage(folder) as stage, capturing:
-        path = stage / MODEL_FILE
-        quantization, proofs = _write_fixing_axes(wrapper, loaded.task, signature, path, quantize=quantize,
-                                                  batches=batches, target=target, opset_version=opset_version)
-        if loaded.folder is not None:
-            for name in COMPANION_FILES:
-                if (loaded.folder / name).is_file():
-                    shutil.copyfile(loaded.folder / name, stage / name)
-        result = PretrainedExport(folder / MODEL_FILE, folder, loaded.task.name, signature.names, signature.outputs,
-                                  signature.axes, proofs, quantization)
-        write_text_atomic(stage / RECORD_FILE, json.dumps(_record(result, loaded), indent=2))
+        # the family's changes for capture, on a model loaded here or given (undone afterwards)
+        model_type = str(getattr(getattr(loaded.model, "config", None), "model_type", ""))
+        capturing = adapter_for(model_type).capturing(loaded.model)
+        with output_folder_stage(folder) as stage, capturing:
+            path = stage / MODEL_FILE
+            quantization, proofs = _write_fixing_axes(wrapper, loaded.task, signature, path, quantize=quantize,
+                                                      batches=batches, target=target, opset_version=opset_version)
+            if loaded.folder is not None:
+                for name in COMPANION_FILES:
+                    if (loaded.folder / name).is_file():
+                        shutil.copyfile(loaded.folder / name, stage / name)
+            result = PretrainedExport(folder / MODEL_FILE, folder, loaded.task.name, signature.names, signature.outputs,
+                                      signature.axes, proofs, quantization)
+            write_text_atomic(stage / RECORD_FILE, json.dumps(_record(result, loaded), indent=2))
     return result
 
 
