@@ -144,3 +144,31 @@ def test_timm_int8_calibrated_on_images_through_timms_own_transform(tmp_path: Pa
     assert logits.shape == (2, 1000) and np.isfinite(logits).all()
     with pytest.raises(InvalidArgumentError, match="no model 'no_such_net'"):
         export_pretrained("timm:no_such_net", tmp_path / "none")
+
+
+@needs_timm
+def test_a_timm_model_in_memory_exports_as_it_computes_and_is_given_back_as_it_was(tmp_path: Path) -> None:
+    """A model fine-tuned in memory (in training mode, with its own classes): the file computes its
+    logits, or the input of its classifier, and the model keeps its weights and its mode."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_vit", num_classes=5).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = export_pretrained(model, tmp_path / "out")
+    pooled = export_pretrained(model, tmp_path / "emb", task="image-feature-extraction")
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    pixels = torch.randn(3, 3, 160, 160)
+    with torch.no_grad():
+        model.eval()
+        logits, features = model(pixels).numpy(), model.forward_head(model.forward_features(pixels), pre_logits=True)
+    assert result.outputs == ["logits"] and pooled.outputs == ["pooler_output"]
+    (got,) = _run(result.path, pixels)
+    np.testing.assert_allclose(got, logits, rtol=1e-4, atol=1e-4 * float(np.abs(logits).max()))
+    (got,) = _run(pooled.path, pixels)
+    assert got.shape == (3, model.num_features)
+    np.testing.assert_allclose(got, features.numpy(), rtol=1e-4, atol=1e-4 * float(features.abs().max()))
+    record = json.loads((result.folder / "onnxport.json").read_text())
+    assert record["source"] == "timm VisionTransformer given in memory" and record["preprocessing"]["input_size"]

@@ -22,7 +22,16 @@ from ..engine import output_folder_stage
 from ..errors import ExportRefusedError, FixedAxesError, FixedShapeWarning, InvalidArgumentError, check_choice
 from .calibration import calibration_batches
 from .inputs import Signature, build_signature
-from .source import COMPANION_FILES, TIMM_PREFIX, Loaded, load_folder, load_module, load_timm
+from .source import (
+    COMPANION_FILES,
+    TIMM_PREFIX,
+    Loaded,
+    is_timm_model,
+    load_folder,
+    load_module,
+    load_timm,
+    load_timm_module,
+)
 from .tasks import Task, get_task
 
 Quantize = Literal["int8", "dynamic", "int4", "int8-weight-only"]
@@ -118,13 +127,14 @@ def _output_fields(loaded: Loaded, signature: Signature, extra: dict[str, Any]) 
 
 def _load(source: Any, task: str, trust_remote_code: bool, weights: Any) -> Loaded:
     if isinstance(source, torch.nn.Module):
-        return load_module(source, task)
+        return load_timm_module(source, task) if is_timm_model(source) else load_module(source, task)
     if isinstance(source, str) and source.startswith(TIMM_PREFIX):
         return load_timm(source, weights, task)
     if isinstance(source, (str, os.PathLike)):
         return load_folder(Path(source), task, trust_remote_code=trust_remote_code)
     raise InvalidArgumentError(
-        f"source must be a save_pretrained folder, 'timm:NAME' or a transformers model, not {type(source).__name__}."
+        f"source must be a save_pretrained folder, 'timm:NAME', or a transformers or timm model, not "
+        f"{type(source).__name__}."
     )
 
 
@@ -176,7 +186,8 @@ def export_pretrained(
 
     Args:
         source: a ``save_pretrained`` folder (config.json and safetensors or .bin; nothing is
-            downloaded), ``'timm:NAME'`` (random weights, or ``weights``), or a transformers model.
+            downloaded), ``'timm:NAME'`` (random weights, or ``weights``), or a transformers or timm model
+            in memory (left as it was given, its training mode too).
         output_dir: receives ``model.onnx`` (``model.onnx.data`` past 2 GB), config.json and the
             tokenizer/processor files, and ``onnxport.json`` (task, inputs and outputs with their
             axes, the proofs with their figures, the quantization, versions). Created if needed;

@@ -148,14 +148,55 @@ TIMM_OUTPUTS = {"image-classification": "logits", "image-feature-extraction": "p
 
 class NamedOutputs(torch.nn.Module):
     """A module that returns a tensor (timm's), giving it as the task's named field, as a
-    transformers model gives its outputs."""
+    transformers model gives its outputs; ``pooled``: a timm classifier's pooled features (the
+    input of its classifier, timm's ``forward_head(..., pre_logits=True)``) instead of its logits."""
 
-    def __init__(self, model: torch.nn.Module, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, name: str, *, pooled: bool = False) -> None:
         super().__init__()
-        self.model, self.output_name = model, name
+        self.model, self.output_name, self.pooled = model, name, pooled
 
     def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.pooled:
+            features = self.model.forward_features(pixel_values)  # type: ignore[operator]
+            return {self.output_name: self.model.forward_head(features, pre_logits=True)}  # type: ignore[operator]
         return {self.output_name: self.model(pixel_values)}
+
+
+def _timm_task(task_name: str) -> Task:
+    task = get_task("image-classification" if task_name == "auto" else task_name)
+    if task.name not in TIMM_OUTPUTS:
+        raise InvalidArgumentError(
+            f"task={task.name!r} is not one a timm model does; pass task='image-classification' (the logits) or "
+            f"'image-feature-extraction' (the pooled embedding)."
+        )
+    return task
+
+
+def _import_timm(what: str) -> Any:
+    try:
+        import timm
+        import timm.data
+    except Exception as error:  # a torchvision built for another torch fails with RuntimeError, not ImportError
+        raise DependencyError(
+            f"{what} needs timm, which cannot be imported here ({type(error).__name__}: "
+            f"{_first_line(error)}); install timm and a torchvision built for this torch ({torch.__version__})."
+        ) from error
+    return timm
+
+
+def is_timm_model(model: torch.nn.Module) -> bool:
+    """A timm model: no transformers config, and timm's own record of its data and classifier."""
+    return getattr(model, "config", None) is None and isinstance(getattr(model, "pretrained_cfg", None), dict)
+
+
+def load_timm_module(model: torch.nn.Module, task_name: str) -> Loaded:
+    """A timm model in memory (fine-tuned, say) for image-classification (``'auto'``) or
+    image-feature-extraction (its classifier's input); the model is not changed."""
+    task = _timm_task(task_name)
+    timm = _import_timm(f"source {type(model).__name__} (a timm model)")
+    pooled = task.name == "image-feature-extraction"
+    return _timm_loaded(timm, model, NamedOutputs(model, TIMM_OUTPUTS[task.name], pooled=pooled), task,
+                        f"timm {type(model).__name__} given in memory")
 
 
 def load_timm(spec: str, weights: str | os.PathLike | None, task_name: str = "auto") -> Loaded:
@@ -169,22 +210,10 @@ def load_timm(spec: str, weights: str | os.PathLike | None, task_name: str = "au
             f"source '{spec}' names a timm model by a hub or folder source; nothing is downloaded or read from "
             f"elsewhere: give timm:ARCHITECTURE and weights= a local state dict or .safetensors file."
         )
-    task = get_task("image-classification" if task_name == "auto" else task_name)
-    if task.name not in TIMM_OUTPUTS:
-        raise InvalidArgumentError(
-            f"task={task.name!r} is not one a timm model does; pass task='image-classification' (the logits) or "
-            f"'image-feature-extraction' (the pooled embedding)."
-        )
+    task = _timm_task(task_name)
     if weights is not None and not Path(weights).is_file():
         raise InvalidArgumentError(f"weights '{weights}' is not a file: give a state dict (.pt/.pth) or .safetensors.")
-    try:
-        import timm
-        from timm.data import create_transform, resolve_model_data_config
-    except Exception as error:  # a torchvision built for another torch fails with RuntimeError, not ImportError
-        raise DependencyError(
-            f"source '{spec}' needs timm, which cannot be imported here ({type(error).__name__}: "
-            f"{_first_line(error)}); install timm and a torchvision built for this torch ({torch.__version__})."
-        ) from error
+    timm = _import_timm(f"source '{spec}'")
     known = set(timm.list_models())
     if name not in known and name.split(".")[0] not in known:  # an architecture, or one with a pretrained tag
         raise InvalidArgumentError(f"timm {timm.__version__} has no model '{name}'; timm.list_models() lists them.")
@@ -201,17 +230,21 @@ def load_timm(spec: str, weights: str | os.PathLike | None, task_name: str = "au
             from error
     if state is not None:
         _load_timm_state(model, state, Path(weights or ""), task)
-    model.eval()
-    data = resolve_model_data_config(model)
+    return _timm_loaded(timm, model.eval(), NamedOutputs(model, TIMM_OUTPUTS[task.name]).eval(), task, f"timm {name}")
+
+
+def _timm_loaded(timm: Any, model: torch.nn.Module, named: NamedOutputs, task: Task, description: str) -> Loaded:
+    """What a timm model exports with: its input size, eval transform and preprocessing record, from
+    timm's data config of the model."""
+    data = timm.data.resolve_model_data_config(model)
     channels, height, width = (int(n) for n in data["input_size"])
-    transform = create_transform(**data, is_training=False)
+    transform = timm.data.create_transform(**data, is_training=False)
 
     def preprocess(images: list[Any]) -> torch.Tensor:
         return torch.stack([transform(image) for image in images])
 
     record = {key: (list(value) if isinstance(value, tuple) else value) for key, value in data.items()}
-    return Loaded(NamedOutputs(model, TIMM_OUTPUTS[task.name]).eval(), task, None, f"timm {name}",
-                  image_size=(channels, height, width), preprocess=preprocess,
+    return Loaded(named, task, None, description, image_size=(channels, height, width), preprocess=preprocess,
                   preprocessing={"library": f"timm {timm.__version__}", **record})
 
 
@@ -254,8 +287,8 @@ def load_module(model: torch.nn.Module, task_name: str) -> Loaded:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise InvalidArgumentError(
-            f"source is a {type(model).__name__}, not a transformers model: export_pretrained builds inputs from a "
-            f"transformers config. Use export_onnx(model, sample, path) for your own module."
+            f"source is a {type(model).__name__}, not a transformers or timm model: export_pretrained builds inputs "
+            f"from a transformers config or timm's data config. Use export_onnx(model, sample, path) for your own module."
         )
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     task = infer_task(architectures, vision=_takes_pixels(config, architectures),
