@@ -97,8 +97,9 @@ def _group_norm(node: ir.Node, opset: int) -> tuple[int, np.ndarray, np.ndarray]
 class GroupNormAsLayerNormPass(ir.passes.InPlacePass):
     """Replace every InstanceNormalization with scale 1 and shift 0, and every opset-21
     GroupNormalization with constant scale and shift (in the main graph and its If/Loop/Scan
-    bodies), by a LayerNormalization over the same values with the same epsilon; nothing in a
-    model below opset 17."""
+    bodies), whose groups hold :data:`MIN_GROUP` values or more (or an unknown number), by a
+    LayerNormalization over the same values with the same epsilon; nothing in a model below
+    opset 17."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = opset_of(model)
