@@ -44,6 +44,7 @@ def _run(path: Path, pixels: torch.Tensor) -> list[np.ndarray]:
     ("timm:hf-hub:timm/resnet18.a1_in1k", {}, "nothing is downloaded"),
     ("timm:resnet18", {"task": "fill-mask"}, "not one a timm model does"),
     ("timm:resnet18", {"weights": "no/such/weights.pth"}, "is not a file"),
+    (".", {"weights": "weights.pth"}, "weights are read only for a 'timm:NAME' source"),
 ])
 def test_bad_timm_arguments_are_named_before_anything_is_written(tmp_path: Path, source: str, options: dict,
                                                                  message: str) -> None:

@@ -229,6 +229,11 @@ def export_pretrained(
         raise InvalidArgumentError(f"target={target!r} applies to quantize='int8' files only.")
     if isinstance(calibration_samples, bool) or not isinstance(calibration_samples, int) or calibration_samples < 1:
         raise InvalidArgumentError(f"calibration_samples must be a positive integer, not {calibration_samples!r}.")
+    if weights is not None and not (isinstance(source, str) and source.startswith(TIMM_PREFIX)):
+        raise InvalidArgumentError(
+            "weights are read only for a 'timm:NAME' source; a folder holds its own weights, and a model in memory "
+            "already has them."
+        )
 
     loaded = _load(source, task, trust_remote_code, weights)
     # exported and proven in eval mode; a model given in training mode is given back in it
