@@ -133,6 +133,22 @@ def test_dynamic_int8_in_one_command_without_calibration(tmp_path):
     assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
 
 
+def test_int8_from_a_folder_of_images_through_the_folders_image_processor(tmp_path):
+    from PIL import Image
+
+    source = folders.vit(tmp_path / "vit")
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(5):  # sizes unlike the model's 32x32: the folder's processor resizes them
+        Image.fromarray(rng.integers(0, 256, (40 + 7 * i, 50, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    result = export_pretrained(source, tmp_path / "out", quantize="int8", calibration=images)
+    assert result.quantization["calibration_batches"] == 1
+    (proof,) = result.proofs
+    assert proof["passed"] and proof["size"] == "first calibration batch"
+    assert proof["shapes"] == {"pixel_values": [1, 3, 32, 32]}
+
+
 @pytest.mark.parametrize("build", [lambda f: folders.wav2vec2(f, "Wav2Vec2ForSequenceClassification"), folders.ast],
                          ids=["waveform", "spectrogram"])
 def test_int8_from_a_folder_of_audio_files_through_the_folders_feature_extractor(tmp_path, build):

@@ -96,19 +96,20 @@ def _image_folder(path: Path, signature: Signature, folder: Path | None, samples
         raise InvalidArgumentError(f"calibration folder '{path}' holds no images ({', '.join(IMAGE_SUFFIXES)}).")
     if signature.names != ["pixel_values"]:
         raise InvalidArgumentError(f"calibration folder '{path}' holds images, but the file takes {signature.names}.")
-    from PIL import Image
-
-    if preprocess is not None:
-        pixels = preprocess([Image.open(f).convert("RGB") for f in files])
-    else:
+    if preprocess is None:
         if folder is None or not (folder / "preprocessor_config.json").is_file():
             raise InvalidArgumentError("calibration images need the folder's preprocessor_config.json to be resized "
                                        "and normalised as the model expects; give calibration as a .npz.")
         from transformers import AutoImageProcessor
 
         processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
-        images = [Image.open(f).convert("RGB") for f in files]
-        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+
+        def preprocess(images: list[Any]) -> torch.Tensor:
+            return processor(images=images, return_tensors="pt")["pixel_values"]
+
+    from PIL import Image
+
+    pixels = preprocess([Image.open(f).convert("RGB") for f in files])
     return _batches(_checked({"pixel_values": pixels}, signature, f"calibration folder '{path}'"), samples)
 
 
