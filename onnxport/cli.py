@@ -243,16 +243,8 @@ def _export_pretrained(args: argparse.Namespace) -> int:
     )
     print(f"wrote {result.path} ({result.task}; inputs {', '.join(result.inputs)}; outputs "
           f"{', '.join(result.outputs)})")
-    for proof in result.proofs:
-        worst = max((o.get("float_distance") or 0) / max(o.get("float_floor") or 2**-24, 2**-24)
-                    for o in proof["outputs"]) if proof["outputs"][0].get("float_floor") is not None else None
-        figure = f", at most {worst:.2f}x its float floor" if worst is not None else ""
-        floors = [o for o in proof["outputs"] if o.get("rounding_floor")]
-        if worst is None and floors:
-            figure = ", " + "; ".join(f"{o['name']} cosine {o['cosine_similarity']:.6f} (its rounding floor "
-                                      f"{min(o['rounding_floor']):.6f}-{max(o['rounding_floor']):.6f})" for o in floors)
-        place = proof["size"] if proof["size"].endswith("batch") else f"{proof['size']} size"
-        print(f"  proven at the {place} ({', '.join(f'{k} {v}' for k, v in proof['shapes'].items())}){figure}")
+    for line in result.proof_lines():
+        print(f"  {line}")
     print(f"wrote {result.folder / 'onnxport.json'}")
     return 0
 

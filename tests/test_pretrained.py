@@ -126,6 +126,8 @@ def test_dynamic_int8_in_one_command_without_calibration(tmp_path):
     assert record["quantization"]["scheme"].startswith("pt2e dynamic INT8")
     (proof,) = record["proofs"]  # as deployed: ORT's fused DynamicQuantizeMatMul
     assert proof["passed"] and all(o["passed"] for o in proof["outputs"])
+    (logits,) = proof["outputs"]
+    assert f"logits cosine {logits['cosine_similarity']:.6f} (its rounding floor" in done.stdout
     graph = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("MatMulInteger") == 14 and "QuantizeLinear" not in ops
@@ -254,6 +256,10 @@ def test_the_cli_exports_a_folder_in_one_command_and_refuses_with_exit_2(tmp_pat
     done = _cli("export", str(source), "-o", str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert "image-classification" in done.stdout and "proven at the sample size" in done.stdout
+    # each proof's figure, as onnxport.json records it: the worst output against its float floor
+    record = json.loads((tmp_path / "out" / "onnxport.json").read_text())
+    worst = [max(o["float_distance"] / max(o["float_floor"], 2**-24) for o in p["outputs"]) for p in record["proofs"]]
+    assert [f"at most {w:.2f}x its float floor" in done.stdout for w in worst] == [True, True]
     assert (tmp_path / "out" / "model.onnx").is_file() and (tmp_path / "out" / "onnxport.json").is_file()
     refused = _cli("export", str(source), "-o", str(tmp_path / "out2"), "--quantize", "int8")
     assert refused.returncode == 2 and "needs calibration data" in refused.stderr and "Traceback" not in refused.stderr

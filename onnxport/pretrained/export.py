@@ -92,6 +92,31 @@ class PretrainedExport:
     def __str__(self) -> str:
         return str(self.path)
 
+    def proof_lines(self) -> list[str]:
+        """One line per proof run: where it ran and its figure (the worst output's distance from
+        the model's float64 run against its float floor, or each quantized output's cosine beside
+        its rounding floor)."""
+        lines = []
+        for proof in self.proofs:
+            figure = proof_figure(proof)
+            place = proof["size"] if proof["size"].endswith("batch") else f"{proof['size']} size"
+            shapes = ", ".join(f"{k} {v}" for k, v in proof["shapes"].items())
+            lines.append(f"proven at the {place} ({shapes}){', ' + figure if figure else ''}")
+        return lines
+
+
+def proof_figure(proof: dict[str, Any]) -> str:
+    """A proof record's figure in words: ``"at most 0.81x its float floor"`` for a float file,
+    each output's cosine and rounding floor for a quantized one; empty when it has neither."""
+    outputs = proof["outputs"]
+    if outputs and outputs[0].get("float_floor") is not None:
+        # a floor under one float32 step of 1.0 would make any distance look large
+        worst = max((o.get("float_distance") or 0) / max(o.get("float_floor") or 2**-24, 2**-24) for o in outputs)
+        return f"at most {worst:.2f}x its float floor"
+    return "; ".join(f"{o['name']} cosine {o['cosine_similarity']:.6f} (its rounding floor "
+                     f"{min(o['rounding_floor']):.6f}-{max(o['rounding_floor']):.6f})"
+                     for o in outputs if o.get("rounding_floor"))
+
 
 def _extra_kwargs(model: torch.nn.Module) -> dict[str, Any]:
     import inspect
