@@ -10,8 +10,10 @@ over Optimum's speed, the median of the rounds' own ratios). Batch 1, 64 tokens 
 
     python -m bench pretrained --optimum /path/to/venv/bin/optimum-cli [--families Bert,ViT] [--rounds 8] [--int8]
 
+Each export's proofs are in the table ("agreed": the float file's worst distance from the model's
+float64 run against its float floor at both sizes; an INT8 file's cosine beside its rounding floor).
 With ``--int8``, INT8 files too, each against ONNX Runtime's quantizer on Optimum's float file (what
-a user of Optimum's exporter quantizes; the better of its default and ``reduce_range``): text
+a user of Optimum's exporter quantizes; on ours without ``--optimum``; the better of its default and ``reduce_range``): text
 families ``quantize='dynamic'`` (ours) against ``quantize_dynamic``, vision families
 ``quantize='int8'`` with the 'onnxruntime' target (ours, 16 calibration images from a .npz)
 against ``quantize_static`` (QDQ, per channel, the same images). Their speed is timed interleaved
@@ -75,15 +77,26 @@ def _folder(family: str, where: Path) -> Path:
     return where
 
 
-def _ours(folder: Path, out: Path) -> tuple[float | None, str]:
+def _ours(folder: Path, out: Path, **options) -> tuple[float | None, str, str]:
+    """Our export of one folder: its wall seconds (None: refused, and why), and its proofs' figures."""
     from onnxport import export_pretrained
 
     start = time.perf_counter()
     try:
-        export_pretrained(folder, out)
+        result = export_pretrained(folder, out, **options)
     except Exception as error:  # noqa: BLE001 -- the table says why a family did not export
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-    return time.perf_counter() - start, ""
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", ""
+    return time.perf_counter() - start, "", _agreement(result.proofs)
+
+
+def _agreement(proofs: list[dict]) -> str:
+    """The proofs in one cell; each passed (the export refuses otherwise): the float files' worst
+    distance against the model's float floor, a quantized file's cosine beside its rounding floor."""
+    from onnxport.pretrained.export import proof_figure
+
+    figures = [proof_figure(p).replace(" its float floor", " floor").replace("(its rounding floor ", "(floor ")
+               for p in proofs]
+    return f"{len(proofs)} runs: " + " | ".join(f for f in figures if f)
 
 
 def _optimum(cli: str, folder: Path, out: Path, task: str) -> tuple[float | None, str]:
@@ -134,18 +147,10 @@ def _input_dims(path: Path, name: str) -> list:
     return list(value.type.tensor_type.shape.dim)
 
 
-def _ours_int8(folder: Path, out: Path, vision: bool, calibration: Path | None) -> tuple[float | None, str]:
-    from onnxport import export_pretrained
-
-    start = time.perf_counter()
-    try:
-        if vision:
-            export_pretrained(folder, out, quantize="int8", calibration=calibration, calibration_samples=16)
-        else:
-            export_pretrained(folder, out, quantize="dynamic")
-    except Exception as error:  # noqa: BLE001 -- the table says why a family did not export
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-    return time.perf_counter() - start, ""
+def _ours_int8(folder: Path, out: Path, vision: bool, calibration: Path | None) -> tuple[float | None, str, str]:
+    if vision:
+        return _ours(folder, out, quantize="int8", calibration=calibration, calibration_samples=16)
+    return _ours(folder, out, quantize="dynamic")
 
 
 def _ort_int8(float_file: Path, out: Path, vision: bool, calibration: Path | None) -> dict[str, Path | str]:
@@ -189,12 +194,13 @@ def _int8_row(row: dict, root: Path, folder: Path, vision: bool, rounds: int) ->
     from onnxport.runtime import interleaved_ms
 
     calibration = _calibration(root / "ours", root / "images.npz") if vision else None
-    row["ours_int8_s"], row["ours_int8_error"] = _ours_int8(folder, root / "ours_int8", vision, calibration)
+    row["ours_int8_s"], row["ours_int8_error"], row["ours_int8_agreed"] = _ours_int8(folder, root / "ours_int8", vision,
+                                                                                   calibration)
     (root / "ort_int8").mkdir()
-    # ORT's quantizer on Optimum's float file, or on ours where Optimum's takes other inputs (its
-    # RoBERTa has no token_type_ids): the timing runs every file on the same feeds
+    # ORT's quantizer on Optimum's float file, or on ours where there is none or it takes other
+    # inputs (its RoBERTa has no token_type_ids): the timing runs every file on the same feeds
     base = root / "optimum" / "model.onnx"
-    if set(_feeds(base)) != set(_feeds(root / "ours" / "model.onnx")):
+    if not base.is_file() or set(_feeds(base)) != set(_feeds(root / "ours" / "model.onnx")):
         base = root / "ours" / "model.onnx"
     row["ort_int8_from"] = "Optimum's float file" if base.parent.name == "optimum" else "our float file"
     start = time.perf_counter()
@@ -237,7 +243,7 @@ def run(config: Config = Config()) -> dict:
                 shutil.rmtree(root / "warm", ignore_errors=True)
                 warmed = True
             row: dict = {"task": task}
-            row["ours_s"], row["ours_error"] = _ours(folder, root / "ours")
+            row["ours_s"], row["ours_error"], row["ours_agreed"] = _ours(folder, root / "ours")
             if config.optimum:
                 row["optimum_s"], row["optimum_error"] = _optimum(config.optimum, folder, root / "optimum", task)
             if row["ours_s"] is not None and row.get("optimum_s") is not None:
@@ -252,8 +258,8 @@ def run(config: Config = Config()) -> dict:
                     row["speed_ours_over_optimum"] = statistics.median(ratios)
                 else:
                     row["note"] = f"inputs differ: ours {sorted(feeds)}, Optimum's {sorted(theirs)}"
-                if config.int8:
-                    _int8_row(row, root, folder, family in VISION, config.rounds)
+            if config.int8 and row["ours_s"] is not None:
+                _int8_row(row, root, folder, family in VISION, config.rounds)
             results[family] = row
             print(f"    {family}: {row}", flush=True)
     return results
@@ -265,9 +271,11 @@ def report(results: dict) -> str:
     for family, r in families.items():
         notes = "; ".join(x for x in (r.get("ours_error"), r.get("optimum_error") and f"Optimum: {r['optimum_error']}",
                                       r.get("note")) if x)
-        rows.append([family, cell(r.get("ours_s"), ".1f"), cell(r.get("optimum_s"), ".1f"), cell(r.get("ours_ms"), ".2f"),
-                     cell(r.get("optimum_ms"), ".2f"), cell(r.get("speed_ours_over_optimum"), ".2f"), notes])
-    parts = [table(["family", "ours s", "Optimum s", "ours ms", "Optimum ms", "speed ours/Optimum", "notes"], rows,
+        rows.append([family, cell(r.get("ours_s"), ".1f"), r.get("ours_agreed") or "-", cell(r.get("optimum_s"), ".1f"),
+                     cell(r.get("ours_ms"), ".2f"), cell(r.get("optimum_ms"), ".2f"),
+                     cell(r.get("speed_ours_over_optimum"), ".2f"), notes])
+    parts = [table(["family", "ours s", "ours agreed", "Optimum s", "ours ms", "Optimum ms", "speed ours/Optimum",
+                    "notes"], rows,
                    title=f"The front door against Optimum's exporter (float files, batch 1; CPU: "
                          f"{results.get('_isa', 'see the run results file')})")]
     int8 = {f: r for f, r in families.items() if "ours_int8_s" in r}
@@ -278,12 +286,14 @@ def report(results: dict) -> str:
             best = r.get("ort_int8_best")
             notes = "; ".join(x for x in (r.get("ours_int8_error"), *(f"ORT {k}: {v}" for k, v in
                                                                        r.get("ort_int8_errors", {}).items())) if x)
-            rows.append([family, cell(r.get("ours_int8_s"), ".1f"), cell(speed.get("ours_int8"), ".2f"),
+            rows.append([family, cell(r.get("ours_int8_s"), ".1f"), r.get("ours_int8_agreed") or "-",
+                         cell(speed.get("ours_int8"), ".2f"),
                          f"{speed[best]:.2f} ({best.removeprefix('ort') or 'default'})" if best else "-",
                          cell(r.get("int8_ours_over_ort"), ".2f"), notes])
-        parts.append(table(["family", "ours s", "ours x", "ORT x", "ours/ORT", "notes"], rows, title=(
+        parts.append(table(["family", "ours s", "ours agreed", "ours x", "ORT x", "ours/ORT", "notes"], rows, title=(
             "INT8 (x = speed-up over our float file): ours = export_pretrained(quantize='dynamic' for text, "
-            "'int8' for vision); ORT = its quantizer on Optimum's float file, the better of default and reduce_range")))
+            "'int8' for vision); ORT = its quantizer on Optimum's float file (ours without --optimum), the better "
+            "of default and reduce_range")))
     return "\n\n".join(parts)
 
 

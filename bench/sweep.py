@@ -23,6 +23,14 @@ one process:
     python -m bench sweep --families ModernBert,ViT     # only these families (--text: every text family)
     python -m bench sweep --rounds 20                   # more rounds (default 8; >= 20 near a goal's line)
     python -m bench sweep --round-ms 300                # longer rounds (default 150 ms)
+    python -m bench sweep --front-door [--optimum PATH/optimum-cli]   # the front door's table instead
+
+``--front-door`` runs ``export_pretrained`` on each encoder and vision family saved as a
+``save_pretrained`` folder, float and INT8 (``quantize='dynamic'`` for text, ``'int8'`` for vision),
+and tables which exported, what their proofs found against the model's floor, how long the export
+took and how fast the files run — against Optimum's exporter and ORT's quantizer side by side when
+``--optimum`` names its ``optimum-cli`` (the ``pretrained`` benchmark, run on the sweep's families;
+decoders go through ``export_decoder``, the ``llm`` benchmark).
 
 Each flag falls back to an environment variable (``python -m bench sweep --help`` names them).
 
@@ -141,6 +149,10 @@ class Config:
     text: bool = option(False, "every text family (encoders and decoders) besides --families")
     rounds: int = option(8, "interleaved timing rounds per family (>= 20 near a goal's line)")
     round_ms: float = option(150.0, "milliseconds of runs per file and round")
+    front_door: bool = option(False, "export_pretrained on each family's folder, float and INT8, instead of the "
+                                     "quantizer comparison (the pretrained benchmark's table)")
+    optimum: str | None = option(None, "with --front-door: optimum-cli of an environment with optimum-onnx, "
+                                       "for Optimum's exporter side by side")
 
     def check(self) -> None:
         known = {*ENCODERS, *DECODERS, *VISION}
@@ -149,6 +161,11 @@ class Config:
             raise ValueError(f"unknown families {', '.join(unknown)}; choose from {', '.join(sorted(known))}")
         if self.rounds < 1 or self.round_ms <= 0:
             raise ValueError("--rounds must be at least 1 and --round-ms above 0")
+        if self.optimum and not self.front_door:
+            raise ValueError("--optimum is for --front-door; the quantizer sweep runs ORT's quantizer itself")
+        if self.front_door and self.families and not any(f in ENCODERS or f in VISION for f in self.families):
+            raise ValueError(f"--front-door exports encoder and vision families; {', '.join(self.families)} are "
+                             f"decoders (the llm benchmark exports them)")
 
     def chosen(self) -> tuple[str, ...]:
         """The families this run measures (empty: all)."""
@@ -281,6 +298,8 @@ def run(config: Config = Config(), out_dir: Path | None = None) -> dict:
 
     from onnxport import cpu_int8
 
+    if config.front_door:
+        return _front_door(config)
     if out_dir is None:
         with tempfile.TemporaryDirectory(prefix="onnxport-bench-sweep-") as scratch:
             return run(config, Path(scratch))
@@ -305,6 +324,17 @@ def run(config: Config = Config(), out_dir: Path | None = None) -> dict:
     return results
 
 
+def _front_door(config: Config) -> dict:
+    """The front door on the sweep's encoder and vision families, float and INT8."""
+    from bench import pretrained
+
+    families = tuple(f for f in config.chosen() if f in ENCODERS or f in VISION)
+    results = pretrained.run(pretrained.Config(optimum=config.optimum, families=families, rounds=config.rounds,
+                                               int8=True))
+    results["_front_door"] = True
+    return results
+
+
 def _short(reasons: list[str]) -> list[str]:
     """``qdq_report``'s reasons up to their first comma: the table names the cause, the docs explain it."""
     return [reason.split(",")[0] for reason in reasons]
@@ -320,6 +350,10 @@ def _ours_vs_ort(e: dict) -> tuple[float | None, float | None]:
 
 
 def report(results: dict) -> str:
+    if results.get("_front_door"):
+        from bench import pretrained
+
+        return pretrained.report(results)
     rows, below = [], []
     for name, e in results.items():
         if name.startswith("_"):

@@ -49,6 +49,8 @@ def test_flags_then_the_environment_then_the_defaults(monkeypatch):
     (["--rounds", "many"], "--rounds takes int values"),      # the type
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--optimum", "optimum-cli"], "--optimum is for --front-door"),
+    (["--front-door", "--families", "GPT2"], "GPT2 are decoders"),
 ])
 def test_a_bad_flag_exits_2_naming_it(argv, said, capsys):
     from bench.sweep import Config
