@@ -172,7 +172,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.quantize is not None and args.quantize not in MODULE_QUANTIZE:
         raise UsageError(f"--quantize {args.quantize} is for a save_pretrained folder or timm:NAME; for MODEL "
                          f"'{args.model}' give {' or '.join(MODULE_QUANTIZE)} (ONNX Runtime's quantizer).")
-    for option, value in (("--task", args.task), ("--target", args.target), ("--weights", args.weights)):
+    for option, value in (("--task", args.task), ("--target", args.target), ("--weights", args.weights),
+                          ("--calibration-length", args.calibration_length)):
         if value is not None:
             raise UsageError(f"{option} is for a save_pretrained folder or timm:NAME, not MODEL '{args.model}'.")
     from . import export_onnx
@@ -214,7 +215,8 @@ def _export_seq2seq(args: argparse.Namespace) -> int:
     if args.quantize not in precisions:
         raise UsageError(f"--quantize {args.quantize}: an encoder-decoder folder (export_seq2seq) takes int4 or "
                          f"int8-weight-only (weight-only), or none (fp32).")
-    for option, value in (("--calibration", args.calibration), ("--target", args.target), ("--weights", args.weights)):
+    for option, value in (("--calibration", args.calibration), ("--calibration-length", args.calibration_length),
+                          ("--target", args.target), ("--weights", args.weights)):
         if value is not None:
             raise UsageError(f"{option}: an encoder-decoder folder (export_seq2seq) takes no {option}; leave it out.")
     result = export_seq2seq(args.model, args.output, precision=precisions[args.quantize], opset_version=args.opset)
@@ -237,7 +239,7 @@ def _export_pretrained(args: argparse.Namespace) -> int:
                              f"from its config and task.")
     result = export_pretrained(
         args.model, args.output, task=args.task or "auto", quantize=args.quantize, calibration=args.calibration,
-        calibration_samples=args.calibration_samples, target=args.target,
+        calibration_samples=args.calibration_samples, calibration_length=args.calibration_length, target=args.target,
         opset_version=args.opset, trust_remote_code=args.trust_remote_code,
         weights=args.weights,
     )
@@ -521,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--weights", help="timm:NAME: a local state dict, training checkpoint or .safetensors file")
     export.add_argument("--calibration", help="SOURCE: a text file (one sample a line), a folder of images or audio, "
                                               "or a .npz; MODEL: .npy/.npz inputs, or 'random' (smoke tests only)")
+    export.add_argument("--calibration-length", type=int, default=None,
+                        help="SOURCE with a text file: tokens per calibration line, padded or cut (default: the "
+                             "export sample's length)")
     export.add_argument("--calibration-method", default="minmax", choices=("minmax", "entropy", "percentile"))
     export.add_argument("--batch-size", type=int, default=8, help="calibration batch size")
     export.add_argument("--no-optimize", action="store_true")

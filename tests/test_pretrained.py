@@ -96,6 +96,31 @@ def test_int8_from_a_text_file(tmp_path):
         assert o["cosine_similarity"] >= 0.9999 or 1 - o["cosine_similarity"] <= 2 * (1 - min(o["rounding_floor"]))
 
 
+def test_the_cli_tokenizes_a_text_file_to_the_length_asked_and_refuses_it_elsewhere(tmp_path):
+    source = folders.bert(tmp_path / "bert")
+    lines = tmp_path / "calibration.txt"
+    lines.write_text("\n".join(f"the model w{i} is good w{i + 3} file" for i in range(8)) + "\n")
+    done = _cli("export", str(source), "-o", str(tmp_path / "out"), "--quantize", "int8", "--calibration", str(lines),
+                "--calibration-length", "24")
+    assert done.returncode == 0, done.stderr
+    (proof,) = json.loads((tmp_path / "out" / "onnxport.json").read_text())["proofs"]
+    assert proof["size"] == "first calibration batch"
+    assert {name: shape[1] for name, shape in proof["shapes"].items()} == dict.fromkeys(
+        ("input_ids", "attention_mask", "token_type_ids"), 24)
+    for argv, said in ((["--quantize", "dynamic"], "calibration_length sets the tokens of a text file's lines"),
+                       (["--input-shape", "2,16"], "--calibration-length is for a save_pretrained folder")):
+        model = "tests.cli_models:tiny_mlp" if "--input-shape" in argv else str(source)
+        refused = _cli("export", model, "-o", str(tmp_path / "refused"), "--calibration-length", "24", *argv)
+        assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr
+        assert not (tmp_path / "refused").exists()
+    settings = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 20}))
+    refused = _cli("export", str(source), "-o", str(tmp_path / "refused"), "--quantize", "int8", "--calibration",
+                   str(lines), "--calibration-length", "24")
+    assert refused.returncode == 2 and "longer than the 20 tokens the folder's tokenizer allows" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize("scheme, bits, group", [("int4", 4, 32), ("int8-weight-only", 8, None)])
 def test_weight_only_needs_no_calibration_and_keeps_torchaos_integers(tmp_path, scheme, bits, group):
     from onnxport.pretrained.export import int4_group
@@ -206,6 +231,12 @@ def test_bad_sources_are_refused_by_name_with_nothing_written(tmp_path):
     _refused(tmp_path, "calibration is only read with quantize='int8'", source, quantize="int4",
              calibration=tmp_path / "calibration.txt")
     _refused(tmp_path, r"calibration 'x\.csv' does not exist", source, quantize="int8", calibration="x.csv")
+    _refused(tmp_path, "calibration_length must be a positive integer, not 0", source, quantize="int8",
+             calibration=tmp_path / "calibration.txt", calibration_length=0)
+    _refused(tmp_path, r"calibration_length sets the tokens of a text file's lines; calibration='x\.npz'", source,
+             quantize="int8", calibration="x.npz", calibration_length=32)
+    _refused(tmp_path, "calibration_length=100 is longer than the model's 64 positions", source, quantize="int8",
+             calibration=tmp_path / "calibration.txt", calibration_length=100)
     bad = tmp_path / "data.csv"
     bad.write_text("1,2,3\n")
     _refused(tmp_path, r"is a \.csv file; give a text file", source, quantize="int8", calibration=bad)

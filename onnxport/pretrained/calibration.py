@@ -20,6 +20,8 @@ from .inputs import Signature
 BATCH = 8
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 AUDIO_SUFFIXES = (".wav", ".flac")
+#: a calibration file read as text, one sample a line (tokenized with the folder's tokenizer)
+TEXT_SUFFIXES = (".txt", ".text", "")
 #: A folder holds a tokenizer when it has one of these (a vocabulary, a merges table or a whole tokenizer).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model")
@@ -82,6 +84,13 @@ def _text_file(path: Path, signature: Signature, folder: Path | None, samples: i
         raise InvalidArgumentError(f"calibration '{path}' holds no text; give one sample a line.")
     tokenizer = _tokenizer(folder, f"calibration '{path}'")
     width = length or signature.sample[0].shape[-1]
+    longest = getattr(tokenizer, "model_max_length", None)
+    # transformers gives a tokenizer without a limit a sentinel of about 1e30
+    if length is not None and isinstance(longest, int) and longest < 10**9 and length > longest:
+        raise InvalidArgumentError(
+            f"calibration_length={length} is longer than the {longest} tokens the folder's tokenizer allows "
+            f"(model_max_length: the model's positions); give at most {longest}."
+        )
     encoded = tokenizer(lines[:samples], padding="max_length", truncation=True, max_length=width, return_tensors="pt")
     columns = {name: encoded[name] for name in signature.names if name in encoded}
     if "token_type_ids" in signature.names and "token_type_ids" not in columns:
@@ -157,7 +166,7 @@ def calibration_batches(calibration: Any, signature: Signature, folder: Path | N
             except (OSError, ValueError) as error:
                 raise InvalidArgumentError(f"calibration '{path}' is not a readable .npz ({error}).") from error
             return _batches(_checked(columns, signature, f"calibration '{path}'"), samples)
-        if path.suffix in (".txt", ".text", ""):
+        if path.suffix in TEXT_SUFFIXES:
             return _text_file(path, signature, folder, samples, length)
         raise InvalidArgumentError(
             f"calibration '{path}' is a {path.suffix} file; give a text file (.txt, one sample a line), a .npz, "

@@ -254,6 +254,14 @@ def export_pretrained(
         raise InvalidArgumentError(f"target={target!r} applies to quantize='int8' files only.")
     if isinstance(calibration_samples, bool) or not isinstance(calibration_samples, int) or calibration_samples < 1:
         raise InvalidArgumentError(f"calibration_samples must be a positive integer, not {calibration_samples!r}.")
+    if calibration_length is not None:
+        if isinstance(calibration_length, bool) or not isinstance(calibration_length, int) or calibration_length < 1:
+            raise InvalidArgumentError(f"calibration_length must be a positive integer, not {calibration_length!r}.")
+        if not _text_calibration(calibration):
+            raise InvalidArgumentError(
+                f"calibration_length sets the tokens of a text file's lines; calibration={calibration!r} is not a "
+                f"text file. Leave calibration_length out, or give a text file (one sample a line)."
+            )
     if weights is not None and not (isinstance(source, str) and source.startswith(TIMM_PREFIX)):
         raise InvalidArgumentError(
             "weights are read only for a 'timm:NAME' source; a folder holds its own weights, and a model in memory "
@@ -267,6 +275,12 @@ def export_pretrained(
         extra = _extra_kwargs(loaded.model)
         signature.outputs = _output_fields(loaded, signature, extra)
         wrapper = TaskOutputs(loaded.model, signature.outputs, extra).eval()
+        positions = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+        if calibration_length is not None and isinstance(positions, int) and calibration_length > positions:
+            raise InvalidArgumentError(
+                f"calibration_length={calibration_length} is longer than the model's {positions} positions "
+                f"(max_position_embeddings in its config); give at most {positions}."
+            )
         batches = (calibration_batches(calibration, signature, loaded.folder, samples=calibration_samples,
                                        length=calibration_length, preprocess=loaded.preprocess)
                    if quantize == "int8" else None)
@@ -286,6 +300,16 @@ def export_pretrained(
                                       signature.axes, proofs, quantization)
             write_text_atomic(stage / RECORD_FILE, json.dumps(_record(result, loaded), indent=2))
     return result
+
+
+def _text_calibration(calibration: Any) -> bool:
+    """Whether ``calibration`` names a text file (what :func:`calibration_batches` tokenizes)."""
+    from .calibration import TEXT_SUFFIXES
+
+    if not isinstance(calibration, (str, os.PathLike)):
+        return False
+    path = Path(calibration)
+    return not path.is_dir() and path.suffix in TEXT_SUFFIXES
 
 
 def _write_fixing_axes(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, **options: Any
@@ -339,23 +363,29 @@ def _write(wrapper: TaskOutputs, task: Task, signature: Signature, path: Path, *
                                                                             dynamic_batch=batch)
     export_qdq(quantized, sample, path, output_names=signature.outputs, opset_version=opset_version,
                dynamic_batch=batch)
-    proof_sample, label = _calibration_sample(batches or [], sample)
+    proof_sample, label = _calibration_sample(batches or [], sample, signature.axes)
     proof = _prove_qdq(quantized, path, proof_sample, label=label)
     return ({"scheme": "pt2e static INT8", "target": target or "onnxruntime", "calibration_batches": len(batches or [])},
             [proof])
 
 
-def _calibration_sample(batches: list[dict[str, torch.Tensor]], sample: dict[str, torch.Tensor]
-                        ) -> tuple[dict[str, torch.Tensor], str]:
+def _calibration_sample(batches: list[dict[str, torch.Tensor]], sample: dict[str, torch.Tensor],
+                        axes: dict[str, dict[int, str]]) -> tuple[dict[str, torch.Tensor], str]:
     """The static file's proof input: the first calibration batch, cut to the sample's batch (the
     data the file was calibrated for, as it is deployed: random pixels or noise lie outside the
     ranges it learned, where a random-weight model's rounding flips compound), or the sample where
-    the batch's shapes are not the sample's."""
+    the batch does not fit the file: a size other than the sample's on an axis that is not symbolic
+    (text tokenized to another length fits, its sequence axis being symbolic)."""
     if not batches:
         return sample, "sample"
     first = {name: value[:len(sample[name])] for name, value in batches[0].items() if name in sample}
-    if set(first) != set(sample) or any(first[n].shape != sample[n].shape or first[n].dtype != sample[n].dtype
-                                         for n in sample):
+
+    def fits(name: str) -> bool:
+        got, want = first[name], sample[name]
+        return got.dtype == want.dtype and got.dim() == want.dim() and all(
+            a == b or i in axes.get(name, {}) for i, (a, b) in enumerate(zip(got.shape, want.shape)))
+
+    if set(first) != set(sample) or not all(fits(n) for n in sample):
         return sample, "sample"
     return first, "first calibration batch"
 
