@@ -113,9 +113,15 @@ def proof_figure(proof: dict[str, Any]) -> str:
         # a floor under one float32 step of 1.0 would make any distance look large
         worst = max((o.get("float_distance") or 0) / max(o.get("float_floor") or 2**-24, 2**-24) for o in outputs)
         return f"at most {worst:.2f}x its float floor"
-    return "; ".join(f"{o['name']} cosine {o['cosine_similarity']:.6f} (its rounding floor "
-                     f"{min(o['rounding_floor']):.6f}-{max(o['rounding_floor']):.6f})"
+    return "; ".join(f"{o['name']} cosine {cosine_text(o['cosine_similarity'])} (its rounding floor "
+                     f"{cosine_text(min(o['rounding_floor']))} to {cosine_text(max(o['rounding_floor']))})"
                      for o in outputs if o.get("rounding_floor"))
+
+
+def cosine_text(cosine: float) -> str:
+    """A cosine in six decimals, or, where those would read 1.000000, its distance from 1
+    (``"1 - 3.2e-08"``): a faithful dynamic INT8 file and its floor differ only there."""
+    return f"1 - {1 - cosine:.1e}" if 1 - cosine < 5e-7 else f"{cosine:.6f}"
 
 
 def _extra_kwargs(model: torch.nn.Module) -> dict[str, Any]:
