@@ -416,18 +416,28 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
     model = _moe(family)
     result = export_decoder(model, tmp_path / "moe.onnx", precision="int4", group_size=16, flavour=flavour)
     assert result.agreement
-    # every expert's 3-D weight is int4 in blocks of 16 input features, read by the Gather that
-    # picks each token's experts (portable) or ONNX Runtime's QMoE kernel ('ort-cpu'); the proof
-    # already held the integers equal to torchao's
+    # every expert weight is int4 in blocks of 16 input features: 'ort-cpu' holds each 3-D weight in
+    # ONNX Runtime's QMoE kernel (packed, gate and up rows interleaved, read back as torchao's);
+    # portable, each expert's matrix is a weight-only MatMul of its own ([in, out], blocks along
+    # axis 0, as a linear's), read in place. The proof already held the integers equal to torchao's.
     experts = {k: v for k, v in file_weights(result.path).items() if ".experts." in k}
     torchao_model = quantize_weight_only(model, "int4_weight_only", group_size=16, symmetric=True, embeddings=False)
     expected = {f"{w.module}.weight": w for w in quantized_weights(torchao_model) if w.kind == "experts"}
-    assert set(experts) == set(expected) and len(experts) == 2 * model.config.num_hidden_layers
+    if flavour == "portable":
+        expected = {f"{m.module}.weight": m for w in expected.values() for m in w.expert_matrices()}
+    count = model.config.num_local_experts if flavour == "portable" else 1
+    assert set(experts) == set(expected) and len(experts) == 2 * model.config.num_hidden_layers * count
     for name, entry in experts.items():
-        assert entry["dtype"] == ir.DataType.INT4 and entry["axis"] == 2 and entry["block_size"] == 16
-        # 'ort-cpu': held by ONNX Runtime's QMoE (packed, gate and up rows interleaved), read back as torchao's
-        assert np.array_equal(entry["q"], expected[name].qdata)
-        assert entry["readers"] == (["QMoE"] if flavour == "ort-cpu" else ["GatherND"])
+        q, _, _, attrs = expected[name].onnx_layout()
+        assert entry["dtype"] == ir.DataType.INT4 and entry["block_size"] == 16 == attrs["block_size"]
+        assert entry["axis"] == attrs["axis"] == (2 if flavour == "ort-cpu" else 0)
+        assert np.array_equal(entry["q"], q)
+        assert entry["readers"] == (["QMoE"] if flavour == "ort-cpu" else ["MatMul"])
+    if flavour == "portable":  # each expert's matrix is torchao's slice of its 3-D integers
+        for w in quantized_weights(torchao_model):
+            if w.kind == "experts":
+                stacked = np.stack([experts[f"{m.module}.weight"]["q"].T for m in w.expert_matrices()])
+                assert np.array_equal(stacked, w.qdata)
     assert next(model.parameters()).dtype == torch.float32 and not hasattr(model.model.layers[0].mlp.experts,
                                                                            "parametrizations")
     # at ONNX Runtime's unoptimised level a portable file computes by its ONNX semantics (dequantize,
@@ -503,6 +513,84 @@ class _Routed(torch.nn.Module):
 
     def forward(self, hidden, index, weights):
         return self.experts(hidden, index, weights)
+
+
+def _layout_experts(layout: str) -> torch.nn.Module:
+    """transformers' experts of three layouts: Mixtral's (gate and up rows concatenated, [experts,
+    out, in]); gpt-oss's (transposed [experts, in, out], biased, its own clamped gate on interleaved
+    rows); NemotronH's (no gate: up, activation, down)."""
+    torch.manual_seed(5)
+    if layout == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        experts = GptOssExperts(transformers.GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=5))
+    elif layout == "nemotron_h":
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        experts = NemotronHExperts(transformers.NemotronHConfig(hidden_size=32, moe_intermediate_size=24, n_routed_experts=5))
+    else:
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        experts = MixtralExperts(transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=5))
+    for _, parameter in experts.named_parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    return experts.eval()
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [("mixtral", torch.float32), ("gpt_oss", torch.float32),
+                                               ("nemotron_h", torch.float32), ("gpt_oss", torch.float16)])
+def test_routed_experts_read_each_experts_weights_in_place_and_compute_what_batched_experts_compute(layout, dtype):
+    # the portable experts run expert by expert on the rows that chose it: no expert's matrices are
+    # copied per token (transformers' batched_mm gathers them, which made a 128-token prefill 16x
+    # eager's time), an expert no token chose runs on zero rows, and sentinel ids are dropped
+    from onnxport._core.capture import torch_program
+    from onnxport.llm.experts import exportable_experts, routed_experts_forward
+    from onnxport.runtime import make_session
+
+    # (float16: half router weights too, as gpt-oss's; the sums are float32, which ONNX Runtime's
+    # CPU ScatterND needs to add at all)
+    experts = _layout_experts(layout).to(dtype)
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(7, 32, generator=generator).to(dtype)
+    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(7)])  # expert 4: never chosen
+    weights = torch.rand(7, 2, generator=generator).to(dtype)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    experts.config._experts_implementation_internal = "batched_mm"
+    with torch.no_grad():
+        expected = experts(hidden, index, weights).float().numpy()
+        np.testing.assert_allclose(routed_experts_forward(experts, hidden, index, weights).float().numpy(), expected,
+                                   **tolerance)
+        sentinel = index.clone()
+        sentinel[0, 1] = 5  # expert parallelism's "not on this rank", its weight zero
+        zeroed = weights.clone()
+        zeroed[0, 1] = 0
+        np.testing.assert_allclose(routed_experts_forward(experts, hidden, sentinel, zeroed).float().numpy(),
+                                   experts(hidden, index.where(sentinel < 5, 0), zeroed).float().numpy(), **tolerance)
+    with exportable_experts(_Routed(experts).eval()):
+        program = torch_program(_Routed(experts).eval(), (hidden, index, weights), opset_version=18,
+                                input_names=["hidden", "index", "weights"], output_names=["out"],
+                                axes={"hidden": {0: "tokens"}, "index": {0: "tokens"}, "weights": {0: "tokens"}})
+    assert experts.config._experts_implementation_internal == "batched_mm"
+    # each product reads one expert's matrix: a constant, or a Gather of one index from the 3-D
+    # weight (the optimizer folds small ones); nothing indexes a weight by the data
+    graph = program.model.graph
+    products = [n for n in graph if n.op_type in ("Gemm", "MatMul")]
+    assert len(products) == 2 * 5
+    for node in products:
+        weight = node.inputs[1]
+        source = weight.producer()
+        if source is not None:
+            assert source.op_type == "Gather" and source.inputs[0].const_value is not None
+            assert source.inputs[1].const_value is not None and source.inputs[1].const_value.numpy().ndim == 0
+        else:
+            assert weight.const_value is not None and len(weight.shape) == 2
+    assert not [n for n in graph if n.op_type == "GatherND" and n.inputs[0].const_value is not None]
+    proto = ir.serde.serialize_model(program.model)
+    session = make_session(proto.SerializeToString())
+    for rows in (7, 1):
+        got = session.run(None, {"hidden": hidden[:rows].numpy(), "index": index[:rows].numpy(),
+                                 "weights": weights[:rows].numpy()})[0]
+        np.testing.assert_allclose(got.astype(np.float32), expected[:rows], **tolerance)
 
 
 @pytest.mark.parametrize(("bias", "act", "kernel"), [(False, "silu", True), (True, "silu", True), (False, "gelu", False)])

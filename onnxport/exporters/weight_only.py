@@ -78,6 +78,22 @@ class QuantizedWeight:
             return self.module
         return f"{self.module}.{'weight_t' if self.kind == 'linear' else 'weight'}"
 
+    def expert_matrices(self) -> list[QuantizedWeight]:
+        """An experts weight as one linear weight per expert (``[out, in]``, blocks along the input
+        features): torchao's integers, scales and zero-points sliced, never recomputed. Each is
+        named :func:`expert_matrix_name`; the file reads them as routed experts do (one product
+        per expert, see :mod:`onnxport.llm.experts`)."""
+        if self.kind != "experts":
+            raise ValueError(f"'{self.module}' is a {self.kind} weight, not a mixture's experts.")
+        # the input features are the blocked axis: last in [experts, out, in], else [experts, in, out]
+        pick = (lambda a, e: a[e]) if self.axis == 2 else (lambda a, e: a[e].T)
+        return [QuantizedWeight(module=expert_matrix_name(self.module, e), kind="linear", bits=self.bits,
+                                qdata=np.ascontiguousarray(pick(self.qdata, e)),
+                                scale=np.ascontiguousarray(pick(self.scale, e)),
+                                zero_point=None if self.zero_point is None else np.ascontiguousarray(pick(self.zero_point, e)),
+                                group=self.group)
+                for e in range(self.qdata.shape[0])]
+
     def onnx_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, int]]:
         """(integers, scale, zero-point, DequantizeLinear attributes) as the file stores them.
 
@@ -107,6 +123,16 @@ class QuantizedWeight:
             None if zp is None else np.ascontiguousarray(zp, dtype=np.int8),
             attrs,
         )
+
+
+#: the module, beside a mixture's experts, holding one stand-in per expert for ``weight``
+EXPERT_MATRICES = "{weight}_per_expert"
+
+
+def expert_matrix_name(weight: str, expert: int) -> str:
+    """The module name of one expert's matrix of the experts weight ``weight``."""
+    parent, _, leaf = weight.rpartition(".")
+    return f"{parent}.{EXPERT_MATRICES.format(weight=leaf)}.{expert}" if parent else f"{EXPERT_MATRICES.format(weight=leaf)}.{expert}"
 
 
 def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
@@ -243,14 +269,23 @@ def export_copy(model: torch.nn.Module, weights: list[QuantizedWeight]) -> torch
     memo: dict[int, Any] = {id(t): t for t in model.parameters()}
     memo.update({id(t): t for t in model.buffers()})
     work = copy.deepcopy(model, memo)
+    tags = len(weights)  # each stand-in its own tag (see _placeholder)
     for tag, w in enumerate(weights, start=1):
         parent_name, _, leaf = w.module.rpartition(".")
         parent = work.get_submodule(parent_name) if parent_name else work
         if w.kind == "experts":
-            # the experts read a plain 3-D stand-in, which the graph then dequantizes (a parameter:
-            # the exporter renames the buffers it reads through an index)
+            # two stand-ins, and the capture reads one: the plain 3-D weight, which the graph then
+            # dequantizes whole (ONNX Runtime's QMoE; a parameter: the exporter renames the buffers
+            # it reads through an index), and one MatMul stand-in per expert (routed experts: each
+            # a weight-only linear of its own, read in place)
             _unparametrize(parent)
             parent.register_parameter(leaf, torch.nn.Parameter(_placeholder(tuple(w.qdata.shape), tag), requires_grad=False))
+            inner, outer = (w.qdata.shape[2], w.qdata.shape[1]) if w.axis == 2 else w.qdata.shape[1:]
+            matrices = []
+            for _ in range(w.qdata.shape[0]):
+                tags += 1
+                matrices.append(_MatMulStandIn(inner, outer, None, tags))
+            parent.add_module(EXPERT_MATRICES.format(weight=leaf), torch.nn.ModuleList(matrices))
             continue
         layer = getattr(parent, leaf)
         stand_in: torch.nn.Module
@@ -489,6 +524,23 @@ def fusable(w: QuantizedWeight) -> bool:
     return w.per_channel or (w.group >= 16 and w.group & (w.group - 1) == 0)
 
 
+def resolve_expert_weights(graph: ir.Graph, weights: list[QuantizedWeight]) -> None:
+    """Replace, in ``weights`` (in place), each experts weight the graph reads per expert by its
+    :meth:`~QuantizedWeight.expert_matrices`, so that what is inserted and later proven on the
+    file is what the file holds. An experts weight read whole (its 3-D stand-in) stays."""
+    resolved: list[QuantizedWeight] = []
+    for w in weights:
+        if w.kind != "experts" or stand_in_value(graph, w) is not None:
+            resolved.append(w)
+            continue
+        matrices = w.expert_matrices()
+        if any(stand_in_value(graph, m) is not None for m in matrices):
+            resolved.extend(matrices)
+        else:
+            resolved.append(w)
+    weights[:] = resolved
+
+
 class InsertDequantizersPass(ir.passes.InPlacePass):
     """Each stand-in weight becomes ``DequantizeLinear`` of torchao's integers, scales and zero-points."""
 
@@ -497,6 +549,7 @@ class InsertDequantizersPass(ir.passes.InPlacePass):
         self.weights = weights
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        resolve_expert_weights(model.graph, self.weights)
         placed = [w for w in self.weights if stand_in_value(model.graph, w) is not None]
         insert_dequantizers(model, placed)
         return ir.passes.PassResult(model, modified=bool(placed))

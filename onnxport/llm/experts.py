@@ -5,9 +5,12 @@ transformers 5 runs a mixture's experts through its experts interface
 operator (``transformers::grouped_mm_fallback``) that it cannot translate, so a capture picks one
 of two implementations instead:
 
-- :data:`EXPORTABLE_EXPERTS`, transformers' own ``batched_mm``: standard operators (each token's
-  chosen experts' weights gathered per token and expert, then batched products) — the portable
-  form, and every file's form for experts the kernel cannot take;
+- :data:`EXPORTABLE_EXPERTS`, :func:`routed_experts_forward`: standard operators, one group per
+  expert — the tokens that chose it found (``NonZero``), its products run on those rows with its
+  weights read in place, the weighted rows added back (``ScatterND``, reduction ``add``). The
+  portable form, and every file's form for experts the kernel cannot take. (transformers' own
+  ``batched_mm`` also exports, but copies each chosen expert's matrices per token: a 128-token
+  prompt through 8 Mixtral-shaped layers took 16x eager's time.)
 - :data:`KERNEL_EXPERTS` (``'ort-cpu'``): ONNX Runtime's ``com.microsoft.MoE`` (int4 experts: its
   ``QMoE``), which groups the tokens by expert and reads each expert's weights in place.
 
@@ -31,8 +34,60 @@ from typing import Any
 
 import torch
 
-EXPORTABLE_EXPERTS = "batched_mm"
+EXPORTABLE_EXPERTS = "onnxport_routed"
 KERNEL_EXPERTS = "onnxport_moe"
+
+
+def _product(module: torch.nn.Module, name: str, expert: int, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from ..exporters.weight_only import EXPERT_MATRICES
+
+    # a weight-only export gives each expert's matrix a stand-in of its own, read as a linear's
+    per_expert = getattr(module, EXPERT_MATRICES.format(weight=name), None)
+    if per_expert is not None:
+        out = per_expert[expert](rows)
+    else:
+        weight = getattr(module, name)[expert]
+        out = rows @ weight if module.is_transposed else torch.nn.functional.linear(rows, weight)
+    return out if bias is None else out + bias
+
+
+def routed_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface, computed expert by expert on the tokens that chose it.
+
+    What transformers' loop over the experts computes (its layout flags, gate, activation, biases
+    and post-expert norm honoured), but over every expert, so a capture holds no data-dependent
+    control flow: an expert no token chose runs on zero rows. Expert ids at or past the number of
+    experts (expert parallelism's sentinels, whose weights are zero) match no expert and are dropped.
+    The weighted rows are summed in float32 (or wider), as torch's sum of half floats is, and the
+    sum rounded once to the hidden states' dtype.
+    """
+    layer: Any = self  # transformers' experts class: its attributes are its interface's
+    has_gate, has_bias = bool(layer.has_gate), bool(getattr(self, "has_bias", False))
+    first = "gate_up_proj" if has_gate else "up_proj"
+    first_bias = getattr(self, f"{first}_bias") if has_bias else None
+    second_bias = layer.down_proj_bias if has_bias else None
+    # summed in float32 at least, as torch sums half floats (and ONNX Runtime's CPU ScatterND adds
+    # no float16), then rounded once to the hidden states' dtype
+    dtype = torch.promote_types(torch.promote_types(hidden_states.dtype, top_k_weights.dtype), torch.float32)
+    out = torch.zeros(hidden_states.shape, dtype=dtype, device=hidden_states.device)
+    # the choices flattened once: each expert then finds its (token, slot) pairs as positions in
+    # one list, and its tokens by one division. Few nodes per expert matter: the exporter's rewriter
+    # costs about the square of the graph's node count, and a mixture repeats these per expert.
+    # (embedding: a plain Gather of rows, where index_select adds a Reshape of its index)
+    chosen, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1, 1)
+    token_of = torch.arange(top_k_index.shape[0], device=chosen.device).repeat_interleave(top_k_index.shape[-1])[:, None]
+    for expert in range(getattr(self, first).shape[0]):
+        position = torch.nonzero(chosen == expert).squeeze(-1)
+        token = torch.nn.functional.embedding(position, token_of).squeeze(-1)
+        rows = _product(self, first, expert, torch.nn.functional.embedding(token, hidden_states),
+                        None if first_bias is None else first_bias[expert])
+        rows = layer._apply_gate(rows) if has_gate else layer.act_fn(rows)
+        rows = _product(self, "down_proj", expert, rows, None if second_bias is None else second_bias[expert])
+        if getattr(self, "has_post_expert_norm", False):
+            rows = layer.post_expert_norm(rows)
+        out = out.index_add(0, token, (rows * torch.nn.functional.embedding(position, weights)).to(dtype))
+    return out.to(hidden_states.dtype)
 
 
 @torch.library.custom_op("onnxport::moe", mutates_args=())
@@ -120,10 +175,8 @@ def qmoe_holds(weights: list) -> bool:
 
 def _kernel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    from transformers.integrations import moe as hf_moe
-
     if self not in _TAKEN:  # decided before the capture: its parameters are fake tensors here
-        return hf_moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     bias = bool(getattr(self, "has_bias", False))
     return torch.ops.onnxport.moe(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
                                   self.down_proj, self.gate_up_proj_bias if bias else None,
@@ -141,12 +194,16 @@ def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Itera
     saved = [c._experts_implementation_internal for c in configs]
     taken = [m for m in experts_modules(model) if kernel and kernel_takes(m)]
     interface: Any = None
+    added: list[str] = []
     try:
-        if taken:
+        if configs:
             from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
             interface = ALL_EXPERTS_FUNCTIONS
-            interface[KERNEL_EXPERTS] = _kernel_forward
+            for name, forward in ((EXPORTABLE_EXPERTS, routed_experts_forward), (KERNEL_EXPERTS, _kernel_forward)):
+                if name not in interface:  # a capture inside another leaves the outer one's in place
+                    interface[name] = forward
+                    added.append(name)
         _TAKEN.update(taken)
         for config in configs:
             config._experts_implementation_internal = KERNEL_EXPERTS if taken else EXPORTABLE_EXPERTS
@@ -156,5 +213,5 @@ def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Itera
             config._experts_implementation_internal = value
         for module in taken:
             _TAKEN.discard(module)
-        if interface is not None and KERNEL_EXPERTS in interface:
-            del interface[KERNEL_EXPERTS]
+        for name in added:
+            del interface[name]

@@ -607,7 +607,8 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     from ..passes.ort_quantize import SetMetadataPass
     from ..pipeline import Step, Structural
 
-    shape, weights = job.shape, job.weights
+    # this file's own list: the experts it reads per expert are resolved in it (InsertDequantizersPass)
+    shape, weights = job.shape, list(job.weights)
     axes = _axes(shape)
     prompt, mask = _proof_prompts(shape)
     prefill = _feeds(shape, prompt, mask, _empty(shape, 2))
