@@ -1141,3 +1141,42 @@ def test_an_opset_21_group_normalization_becomes_a_layer_norm_with_its_channel_s
         expected = normed.reshape(x.shape) * scale[:, None, None] + shift[:, None, None]
         (got,) = run(rewritten, {"x": x, "flag": np.array(flag)}, optimized=False)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_read_one_constant_slice_at_a_time_is_stored_as_its_slices():
+    from onnxport.passes.split_indexed_weight import SplitIndexedWeightPass
+
+    w = RNG.standard_normal((3, 4, 5)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(w[:, :, :4].copy(), "V"),
+             numpy_helper.from_array(w[0].copy(), "U"), numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array(-1, np.int64), "last")]
+    # an If body reads the main graph's W too: slice 2 (as -1) beside the main graph's 0 (twice)
+    body = helper.make_graph([helper.make_node("Gather", ["W", "last"], ["b"]), helper.make_node("MatMul", ["x", "b"], ["bo"])],
+                             "body", [], [helper.make_tensor_value_info("bo", TensorProto.FLOAT, [2, 5])])
+    nodes = [helper.make_node("Gather", ["W", "zero"], ["w0"]), helper.make_node("Gather", ["W", "zero"], ["w0b"]),
+             helper.make_node("MatMul", ["x", "w0"], ["h0"]), helper.make_node("MatMul", ["x", "w0b"], ["h1"]),
+             helper.make_node("If", ["flag"], ["h2"], then_branch=body, else_branch=body),
+             # left whole: V read at a data index, U read by another op too
+             helper.make_node("Gather", ["V", "pick"], ["v"]), helper.make_node("Gather", ["U", "zero"], ["u0"]),
+             helper.make_node("Add", ["U", "U"], ["u2"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+                                           helper.make_tensor_value_info("pick", TensorProto.INT64, [])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in
+                               (("h0", [2, 5]), ("h1", [2, 5]), ("h2", [2, 5]), ("v", [4, 4]), ("u0", [5]), ("u2", [4, 5]))],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    rewritten, first, second = _apply(SplitIndexedWeightPass(), model)
+    assert (first, second) == (True, False)
+    onnx.checker.check_model(rewritten, full_check=True)
+    stored = {i.name: numpy_helper.to_array(i) for i in rewritten.graph.initializer}
+    assert "W" not in stored and {"V", "U"} <= set(stored)
+    np.testing.assert_array_equal(stored["W.0"], w[0])
+    np.testing.assert_array_equal(stored["W.2"], w[2])
+    assert "Gather" not in [n.op_type for n in _body_nodes(rewritten)]
+    assert not [n for n in rewritten.graph.node if n.op_type == "Gather" and n.input[0] == "W"]
+    feeds = {"x": RNG.standard_normal((2, 4)).astype(np.float32), "pick": np.array(1, np.int64)}
+    for flag in (True, False):
+        feeds["flag"] = np.array(flag)
+        for got, want in zip(run(rewritten, feeds, optimized=False), run(model, feeds, optimized=False)):
+            np.testing.assert_array_equal(got, want)

@@ -458,7 +458,7 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
                                                ("mixtral", "ort-cpu"), ("deepseek_v3", "portable")])
 def test_mixture_of_experts_decoders_generate_what_transformers_generates(family, flavour, tmp_path):
     # transformers' default experts run through a custom operator torch.onnx cannot translate; the
-    # export captures its batched implementation and proves the file against the model as it is
+    # export captures onnxport's routed experts and proves the file against the model as it is
     from onnxport.errors import OnnxportWarning, WeakerCheckWarning
 
     model = _moe(family)
@@ -479,8 +479,12 @@ def test_mixture_of_experts_decoders_generate_what_transformers_generates(family
         assert any(issubclass(w.category, OnnxportWarning) and "genai_config" in str(w.message) for w in caught)
     graph = onnx.load_model(str(result), load_external_data=False).graph
     ops = Counter((n.domain, n.op_type) for n in graph.node)
-    if flavour == "portable":
+    if flavour == "portable":  # standard operators; each expert's matrices stored on their own
         assert {domain for domain, _ in ops} <= {"", "ai.onnx"}
+        experts = getattr(model.config, "num_experts", None) or model.config.n_routed_experts
+        # one expert's tokens found per expert and layer (DeepSeek-V3's first layer is dense)
+        assert ops[("", "NonZero")] == experts * (model.config.num_hidden_layers - (family == "deepseek_v3"))
+        assert not [i.name for i in graph.initializer if len(i.dims) == 3]
     else:  # every layer's experts in ONNX Runtime's kernel (Qwen3-MoE's router does not renormalise: Mixtral's does)
         assert ops[("com.microsoft", "MoE")] == model.config.num_hidden_layers == result.fusions["MoE"]
         assert {n.op_type for n in graph.node if any(".experts." in i for i in n.input)} == {"MoE"}
@@ -631,3 +635,31 @@ def test_experts_in_onnx_runtimes_moe_kernel_compute_what_batched_experts_comput
         got = session.run(None, {"hidden": hidden[:rows].numpy(), "index": index[:rows].numpy(),
                                  "weights": weights[:rows].numpy()})[0]
         np.testing.assert_allclose(got, expected[:rows], rtol=1e-5, atol=1e-6)
+
+
+def test_a_capture_past_the_routed_experts_limit_gathers_them_and_says_so():
+    # the routed form adds nodes per expert, and torch.onnx's optimizer costs about the square of a
+    # graph's node count: past the limit a capture gathers the experts per token, with a warning,
+    # where an eager run (the float floor's) still routes them
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from onnxport._core.capture import torch_program
+    from onnxport.errors import PerformanceWarning
+    from onnxport.llm.experts import ROUTED_EXPERTS_LIMIT, exportable_experts
+
+    experts = MixtralExperts(transformers.MixtralConfig(hidden_size=8, intermediate_size=8,
+                                                        num_local_experts=ROUTED_EXPERTS_LIMIT + 1)).eval()
+    hidden, index, weights = torch.randn(3, 8), torch.tensor([[0, 5], [ROUTED_EXPERTS_LIMIT, 1], [2, 3]]), torch.rand(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with exportable_experts(_Routed(experts), capture=False):
+            pass
+    with pytest.warns(PerformanceWarning, match="batched_mm"), exportable_experts(_Routed(experts)):
+        program = torch_program(_Routed(experts).eval(), (hidden, index, weights), opset_version=18,
+                                input_names=["hidden", "index", "weights"], output_names=["out"],
+                                axes={"hidden": {0: "tokens"}, "index": {0: "tokens"}, "weights": {0: "tokens"}})
+    graph = program.model.graph
+    assert not [n for n in graph if n.op_type == "NonZero"]
+    # each 3-D weight indexed by the tokens' choices: a copy per token
+    assert len([n for n in graph if n.op_type in ("Gather", "GatherND") and n.inputs[0].const_value is not None
+                and n.inputs[0].const_value.shape.rank() == 3 and n.inputs[1].const_value is None]) == 2

@@ -48,7 +48,8 @@ class QuantizedWeight:
         module: the layer's name in the model (``model.layers.0.mlp.up_proj``); for experts, the
             weight's (``model.layers.0.mlp.experts.gate_up_proj``).
         kind: ``'linear'`` (read by MatMul), ``'embedding'`` (read by Gather) or ``'experts'``
-            (a mixture of experts' 3-D weight, read by the Gather that picks each token's experts).
+            (a mixture of experts' 3-D weight, read whole by ONNX Runtime's MoE kernel; a capture that
+            reads it per expert reads :meth:`expert_matrices` instead).
         bits: 4 or 8.
         qdata: the integers, int8 storage, ``[rows, width]`` (experts: ``[experts, out, in]`` or
             ``[experts, in, out]``).
@@ -344,7 +345,8 @@ def insert_dequantizers(model: ir.Model, weights: list[QuantizedWeight]) -> None
     first = next(iter(graph), None)
     for w in weights:
         stand_in = stand_in_value(graph, w)
-        # experts: gathered per token (portable), or read whole by ONNX Runtime's MoE ('ort-cpu')
+        # experts read whole: ONNX Runtime's MoE ('ort-cpu'), or an index (a capture of another
+        # implementation); read per expert they are linears by now (resolve_expert_weights)
         readers = {("MatMul", 1)} if w.kind == "linear" else {("Gather", 0), ("GatherND", 0), ("MoE", 2), ("MoE", 4)}
         uses = list(stand_in.uses()) if stand_in is not None else []
         if not uses or any((use.node.op_type, use.idx) not in readers for use in uses):

@@ -36,6 +36,12 @@ import torch
 
 EXPORTABLE_EXPERTS = "onnxport_routed"
 KERNEL_EXPERTS = "onnxport_moe"
+#: The most experts (summed over the layers) a capture routes expert by expert. Each adds about 19
+#: nodes, and the onnxscript optimizer torch.onnx runs costs about the square of the node count
+#: (onnxscript 0.7's two-Slice rule lists the whole graph for every node it tries): 64 (8 layers of
+#: 8) added 28 s to a Mixtral-shaped export, and OLMoE's 1,024 would take hours. Past it, the
+#: experts are captured as transformers' ``batched_mm`` (a copy of each chosen expert per token).
+ROUTED_EXPERTS_LIMIT = 256
 
 
 def _product(module: torch.nn.Module, name: str, expert: int, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -173,10 +179,23 @@ def qmoe_holds(weights: list) -> bool:
                for w in weights if w.kind == "experts")
 
 
+#: the experts modules a capture gathers (``batched_mm``): past :data:`ROUTED_EXPERTS_LIMIT`
+_GATHERED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _exportable_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    if self in _GATHERED:
+        from transformers.integrations import moe as hf_moe
+
+        return hf_moe.batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
 def _kernel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     if self not in _TAKEN:  # decided before the capture: its parameters are fake tensors here
-        return routed_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _exportable_forward(self, hidden_states, top_k_index, top_k_weights)
     bias = bool(getattr(self, "has_bias", False))
     return torch.ops.onnxport.moe(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), self.gate_up_proj,
                                   self.down_proj, self.gate_up_proj_bias if bias else None,
@@ -184,15 +203,36 @@ def _kernel_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
 
 
 @contextlib.contextmanager
-def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Iterator[list[torch.nn.Module]]:
+def exportable_experts(model: torch.nn.Module, *, kernel: bool = False, capture: bool = True) -> Iterator[list[torch.nn.Module]]:
     """Capture ``model``'s experts with :data:`EXPORTABLE_EXPERTS`, or with ONNX Runtime's kernel
     where ``kernel`` and :func:`kernel_takes` (then ``torch_program`` needs
     :func:`translation_table`); give the model back its own implementation afterwards. Yields the
-    modules the kernel takes. Models without experts are left alone; no weight is changed."""
+    modules the kernel takes. Models without experts are left alone; no weight is changed.
+
+    For a ``capture``, more than :data:`ROUTED_EXPERTS_LIMIT` routed experts are gathered per token
+    instead, with a :class:`~onnxport.errors.PerformanceWarning` (an eager run, ``capture=False``,
+    always routes them)."""
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_experts_implementation_internal")]
     configs = list({id(c): c for c in configs}.values())
     saved = [c._experts_implementation_internal for c in configs]
     taken = [m for m in experts_modules(model) if kernel and kernel_takes(m)]
+    routed = [m for m in experts_modules(model) if m not in taken]
+    count = sum(int(getattr(m, "gate_up_proj" if getattr(m, "has_gate", True) else "up_proj").shape[0]) for m in routed)
+    gathered = routed if capture and count > ROUTED_EXPERTS_LIMIT else []
+    if gathered:
+        import warnings
+
+        from ..errors import PerformanceWarning
+
+        warnings.warn(
+            f"{type(model).__name__} has {count} experts to route in {len(routed)} layers, more than the "
+            f"{ROUTED_EXPERTS_LIMIT} a capture routes expert by expert (torch.onnx's optimizer would take hours on "
+            f"the graph): they are captured as transformers' batched_mm, which copies each chosen expert's "
+            f"matrices per token, so prompts run slower in this file. flavour='ort-cpu' runs ONNX Runtime's "
+            f"MoE kernel where it takes the experts.",
+            PerformanceWarning,
+            stacklevel=3,
+        )
     interface: Any = None
     added: list[str] = []
     try:
@@ -200,11 +240,12 @@ def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Itera
             from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
             interface = ALL_EXPERTS_FUNCTIONS
-            for name, forward in ((EXPORTABLE_EXPERTS, routed_experts_forward), (KERNEL_EXPERTS, _kernel_forward)):
+            for name, forward in ((EXPORTABLE_EXPERTS, _exportable_forward), (KERNEL_EXPERTS, _kernel_forward)):
                 if name not in interface:  # a capture inside another leaves the outer one's in place
                     interface[name] = forward
                     added.append(name)
         _TAKEN.update(taken)
+        _GATHERED.update(gathered)
         for config in configs:
             config._experts_implementation_internal = KERNEL_EXPERTS if taken else EXPORTABLE_EXPERTS
         yield taken
@@ -213,5 +254,7 @@ def exportable_experts(model: torch.nn.Module, *, kernel: bool = False) -> Itera
             config._experts_implementation_internal = value
         for module in taken:
             _TAKEN.discard(module)
+        for module in gathered:
+            _GATHERED.discard(module)
         for name in added:
             del interface[name]

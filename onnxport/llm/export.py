@@ -287,7 +287,7 @@ def _float_floor(model: torch.nn.Module, shape: DecoderShape, tokens: np.ndarray
 
     def run(wide: Any) -> list[np.ndarray]:
         # a mixture of experts' default implementation (a grouped matmul) has no float64 kernel
-        with eval_mode(wide), exportable_experts(wide):
+        with eval_mode(wide), exportable_experts(wide, capture=False):
             return _forced_decoding(torch_step(wide, wide_shape), wide_shape, tokens)[0]
 
     reference = float64_result(model, run, in_place=owned)
@@ -564,11 +564,14 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
     from ..passes.relu_as_max import ReluAfterWeightOnlyMatMulPass
     from ..passes.rsqrt_div import RsqrtToDivPass
     from ..passes.skip_rms_norm import SkipRmsNormPass
+    from ..passes.split_indexed_weight import SplitIndexedWeightPass
     from ..pipeline import LastBit, OnFile, Step, Structural
 
     steps = []
     if weights:
         steps.append(Step("store the weights as torchao's integers", InsertDequantizersPass(weights), OnFile))
+    # routed experts read their float matrices one constant slice at a time
+    steps.append(Step("store each expert's matrix on its own", SplitIndexedWeightPass(), Structural))
     if fusion is not None:
         # after the integers are in place: a quantized expert's stand-in is no float weight
         steps.append(Step("a mixture's float experts interleaved for ONNX Runtime's MoE", MoEInterleavePass(), Structural))
