@@ -133,7 +133,8 @@ EXPERT_MATRICES = "{weight}_per_expert"
 def expert_matrix_name(weight: str, expert: int) -> str:
     """The module name of one expert's matrix of the experts weight ``weight``."""
     parent, _, leaf = weight.rpartition(".")
-    return f"{parent}.{EXPERT_MATRICES.format(weight=leaf)}.{expert}" if parent else f"{EXPERT_MATRICES.format(weight=leaf)}.{expert}"
+    name = f"{EXPERT_MATRICES.format(weight=leaf)}.{expert}"
+    return f"{parent}.{name}" if parent else name
 
 
 def quantized_weights(model: torch.nn.Module) -> list[QuantizedWeight]:
