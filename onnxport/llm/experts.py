@@ -28,6 +28,7 @@ rows: ``swiglu_fusion=2``); ONNX Runtime's CPU kernel takes them interleaved, wh
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -221,8 +222,6 @@ def exportable_experts(model: torch.nn.Module, *, kernel: bool = False, capture:
     count = sum(int(getattr(m, "gate_up_proj" if getattr(m, "has_gate", True) else "up_proj").shape[0]) for m in routed)
     gathered = routed if capture and count > ROUTED_EXPERTS_LIMIT else []
     if gathered:
-        import warnings
-
         from ..errors import PerformanceWarning
 
         warnings.warn(
