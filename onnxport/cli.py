@@ -376,8 +376,13 @@ def _audio_source(folder: Path, audio: str) -> dict[str, Any]:
     if not info.get("audio"):
         raise UsageError(f"'{folder}' holds a text model; give --text or --ids, not --audio.")
     masked = "attention_mask" in takes
-    given = extractor(wave.mean(axis=1), sampling_rate=rate, return_tensors="np",
-                      **({"return_attention_mask": True} if masked else {}))
+    wave = wave.mean(axis=1)
+    # Whisper's extractor cuts the audio to its window unless told not to; generate decodes the
+    # audio past it a window at a time
+    window = getattr(extractor, "n_samples", None)
+    whole = {"truncation": False, "padding": "longest"} if window and len(wave) > window else {}
+    given = extractor(wave, sampling_rate=rate, return_tensors="np",
+                      **({"return_attention_mask": True} if masked else {}), **whole)
     return {name: given[name] for name in takes if name in given}
 
 
@@ -552,7 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--text", action="append", metavar="TEXT",
                      help="a prompt, tokenized with the folder's tokenizer; once per prompt (prints text)")
     gen.add_argument("--audio", metavar="FILE.wav",
-                     help="a speech folder (Whisper, Speech2Text, Moonshine): a sound file at the model's sampling rate")
+                     help="a speech folder (Whisper, Speech2Text, Moonshine): a sound file at the model's sampling rate "
+                          "(Whisper: past its 30 s window, decoded window by window)")
     gen.add_argument("--max-new-tokens", type=int, default=None,
                      help="default: 32 (decoder), the generation config's max_length (encoder-decoder)")
     gen.add_argument("--num-beams", type=int, help="encoder-decoder: beam search with this many beams")

@@ -4,6 +4,7 @@ transformers' generate picks, family by family, greedy and beam search, on batch
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import onnx
@@ -537,29 +538,108 @@ def test_ort_cpu_flavour_fuses_attention_and_generates_the_same_tokens(family, t
         assert np.array_equal(generate(result.folder, ids, mask, **search), _transformers(model, ids, mask, **search))
 
 
-def test_whisper_with_timestamps_generates_what_transformers_generates(tmp_path):
+@pytest.fixture(scope="module")
+def whisper_timestamps(tmp_path_factory):
+    """A small Whisper with 20 timestamp tokens (0.00 to 0.38 s), exported."""
     model = whisper(timestamps=20)
-    result = export_seq2seq(model, tmp_path / "onnx")
+    return model, export_seq2seq(model, tmp_path_factory.mktemp("whisper_timestamps") / "onnx")
+
+
+def _whisper_rows(got: np.ndarray, theirs: Any, prompt: int) -> None:
+    """Our rows (prompt, text, end token, padding) hold the text tokens Whisper's generate returns."""
+    sequences = theirs["sequences"] if isinstance(theirs, dict) else theirs
+    pad = WHISPER_TOKENS["pad"]
+    for row, expected in zip(got, sequences.numpy()):
+        text = _text_tokens(row, prompt)
+        while text and text[-1] == pad:  # a row whose last window ran out of new tokens ends unfinished
+            text.pop()
+        assert text == [x for x in expected.tolist() if x != pad]
+
+
+@pytest.mark.parametrize("options", [{"language": "de"}, {"language": "en", "num_beams": 2}])
+def test_whisper_with_timestamps_generates_what_transformers_generates(whisper_timestamps, options):
+    model, result = whisper_timestamps
     features = _features()
     t = WHISPER_TOKENS
-    got = generate(result.folder, input_features=features, return_timestamps=True, max_new_tokens=20, language="de")
+    got = generate(result.folder, input_features=features, return_timestamps=True, max_new_tokens=20, **options)
     # no no-timestamps token in the prompt, and the text opens with a timestamp (the ids after it)
     assert (got[:, 3] > t["no_timestamps"]).all()
     with torch.no_grad():
+        # after the last pair of timestamps in the window, Whisper decodes the rest of the audio
+        # again from there, as a further segment: the segments are what it returns
         theirs = model.generate(input_features=torch.from_numpy(features), return_timestamps=True, max_new_tokens=20,
-                                language="de").numpy()
-    for row, expected in zip(got, theirs):
-        assert _text_tokens(row, 3) == [x for x in expected.tolist() if x != t["pad"]]
-    # beam search under the timestamp rules, against transformers' own search with its timestamp
-    # processor from the same prompt (Whisper's generate would go on to decode the audio after the
-    # last timestamp pair as a further segment)
-    from transformers.generation.logits_process import LogitsProcessorList, WhisperTimeStampLogitsProcessor
-    from transformers.generation.utils import GenerationMixin
+                                **options)
+    _whisper_rows(got, theirs, 3)
 
-    got = generate(result.folder, input_features=features, return_timestamps=True, max_new_tokens=20, language="en",
-                   num_beams=2)
-    rules = WhisperTimeStampLogitsProcessor(model.generation_config, begin_index=3)
+
+@pytest.mark.parametrize("options", [{"language": "de"}, {"language": "en", "num_beams": 2}, {}])
+def test_whisper_longer_than_its_window_generates_what_transformers_generates(whisper_timestamps, options):
+    """Audio past the encoder's window (here 200 frames, 2 s), rows of three lengths: decoded a
+    window at a time from where each row's last complete segment ended, timestamps on by
+    themselves, as transformers' long-form generate does it."""
+    model, result = whisper_timestamps
+    features = torch.randn(3, 16, 530, generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(3, 530, dtype=torch.long)
+    mask[1, 410:] = 0
+    mask[2, 250:] = 0
+    got = generate(result.folder, input_features=features.numpy(), attention_mask=mask.numpy(), max_new_tokens=20,
+                   **options)
     with torch.no_grad():
-        theirs = GenerationMixin.generate(model, torch.from_numpy(features), decoder_input_ids=torch.from_numpy(got[:, :3]),
-                                          max_new_tokens=20, num_beams=2, logits_processor=LogitsProcessorList([rules]))
-    assert np.array_equal(got, theirs.numpy())
+        theirs = model.generate(input_features=features, attention_mask=mask, return_timestamps=True,
+                                max_new_tokens=20, return_segments=True, **{"language": "en", **options})
+    _whisper_rows(got, theirs, 3)
+    # not one window: segments start in later windows, and one seeks to a timestamp inside a window
+    starts = [[float(segment["start"]) for segment in row] for row in theirs["segments"]]
+    assert max(map(max, starts)) >= 4.0 and any(s % 2.0 > 0.01 for row in starts for s in row[1:]), starts
+    # one row alone needs no mask
+    alone = generate(result.folder, input_features=features[2:, :, :250].numpy(), max_new_tokens=20, **options)
+    assert np.array_equal(alone[0], got[2, :alone.shape[1]]) and (got[2, alone.shape[1]:] == WHISPER_TOKENS["pad"]).all()
+
+
+def test_cli_transcribes_a_sound_file_longer_than_the_window(whisper_timestamps, tmp_path, capsys):
+    """A clip of 5 s for a 2 s window: the whole clip, not its first window, as Whisper's
+    long-form generate transcribes it."""
+    import shutil
+
+    import soundfile
+    from transformers import WhisperFeatureExtractor
+
+    from onnxport.cli import main
+
+    model, result = whisper_timestamps
+    folder = tmp_path / "whisper"
+    shutil.copytree(result.folder, folder)
+    extractor = WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, n_samples=32000, chunk_length=2, hop_length=160)
+    extractor.save_pretrained(folder)
+    t = WHISPER_TOKENS
+    stamps = tuple(range(t["no_timestamps"] + 1, model.config.vocab_size))
+    tokenizer = _word_tokenizer(folder, {"pad": t["pad"], "eos": t["eos"]},
+                                prompt=(t["start"], t["en"], t["de"], t["translate"], t["transcribe"], t["no_timestamps"],
+                                        *stamps))
+    wave = (np.sin(np.arange(80000) / 7.0) * np.sin(np.arange(80000) / 3100.0)).astype(np.float32) * 0.3
+    soundfile.write(tmp_path / "long.wav", wave, 16000)
+    assert main(["generate", str(folder), "--audio", str(tmp_path / "long.wav"), "--language", "de",
+                 "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out.strip()
+    features = extractor(wave, sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest")
+    assert features["input_features"].shape[-1] == 500
+    with torch.no_grad():
+        theirs = model.generate(input_features=features["input_features"], language="de", max_new_tokens=12,
+                                return_timestamps=True, return_segments=True)
+    assert printed == tokenizer.batch_decode(theirs["sequences"], skip_special_tokens=True)[0]
+    assert float(theirs["segments"][0][-1]["start"]) >= 2.0  # past the first window
+
+
+def test_whisper_longer_than_its_window_is_refused_without_what_it_needs(whisper_timestamps):
+    _, result = whisper_timestamps
+    features = np.zeros((2, 16, 300), np.float32)
+    with pytest.raises(InvalidArgumentError, match="return_timestamps=True"):
+        generate(result.folder, input_features=features[:1], return_timestamps=False, language="en")
+    with pytest.raises(InvalidArgumentError, match="give attention_mask"):
+        generate(result.folder, input_features=features, language="en")
+    with pytest.raises(InvalidArgumentError, match=r"shaped \[batch, frames\] = \[2, 300\]"):
+        generate(result.folder, input_features=features, attention_mask=np.ones((2, 200), np.int64), language="en")
+    with pytest.raises(InvalidArgumentError, match="num_return_sequences"):
+        generate(result.folder, input_features=features[:1], language="en", num_beams=2, num_return_sequences=2)
+    with pytest.raises(InvalidArgumentError, match=r"\[batch, 16, frames\]"):
+        generate(result.folder, input_features=np.zeros((1, 12, 300), np.float32), language="en")

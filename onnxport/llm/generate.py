@@ -172,9 +172,13 @@ def generate(
     config's ``max_length``) and transformers' names for what to change: ``num_beams``,
     ``length_penalty``, ``early_stopping``, ``num_return_sequences``, ``do_sample``,
     ``temperature``, ``top_k``, ``top_p``, ``seed``; Whisper also ``language`` (detected from the
-    audio when not given) and ``task``. It returns the decoder's tokens, its start token first
-    (for Whisper, the prompt of start, language, task and no-timestamps tokens first), rows that
-    ended filled with padding, as transformers' ``generate`` returns them for encoder–decoders.
+    audio when not given), ``task`` and ``return_timestamps``. It returns the decoder's tokens, its
+    start token first (for Whisper, the prompt of start, language, task and no-timestamps tokens
+    first), rows that ended filled with padding, as transformers' ``generate`` returns them for
+    encoder–decoders. Whisper's features may be of any length: past the encoder's window (30 s)
+    they are decoded a window at a time, with timestamps, as transformers' long-form ``generate``
+    does (a batch of such audio needs its ``attention_mask``); such a row holds the prompt, then
+    every segment's tokens, then the end token.
 
     Args:
         model: the ``.onnx`` file :func:`export_decoder` wrote (or its result, or the folder it

@@ -5,6 +5,7 @@ only: transformers is not imported."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -219,7 +220,7 @@ class Seq2SeqGenerator:
         num_return_sequences: int | None = None,
         language: str | None = None,
         task: str | None = None,
-        return_timestamps: bool = False,
+        return_timestamps: bool | None = None,
     ) -> np.ndarray:
         """The decoder's tokens for a source batch (see :func:`onnxport.llm.generate`)."""
         info, generation, config = self.info, self.generation, self.config
@@ -235,30 +236,129 @@ class Seq2SeqGenerator:
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, length_penalty=length_penalty,
             early_stopping=early_stopping, num_return_sequences=num_return_sequences,
         )
-        step = self._step
+        if whisper:
+            return self._transcribe(source, mask, settings, language, task, return_timestamps)
         # the decoder reads which encoder positions hold the source: the source's own mask, or
         # the mask a speech encoder of any length computes for its output positions
         cross, mask = split_encoded(self._encode(source, mask), int(info["layers"]),
                                     bool(info["audio"] and info["source_mask"]), mask)
-        batch = len(source)
-        if whisper:
-            def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:
-                from .search import _empty_past
+        prompt = np.full((len(source), 1), settings.decoder_start_token_id, np.int64)
+        self._check_limit(prompt.shape[1], settings)
+        return search(self._step, cross, mask, prompt, settings)
 
-                logits, _ = step(prompt, None, _empty_past(cross, batch), cross)
-                return np.asarray(languages, np.int64)[logits[:, -1][:, languages].argmax(-1)]
-
-            prompt = speech_prompt({**config, **generation}, batch, language, task, return_timestamps, detect)
-            settings.timestamps = return_timestamps
-        else:
-            prompt = np.full((batch, 1), settings.decoder_start_token_id, np.int64)
-        limit = info.get("max_target_positions")
-        if limit and settings.limit(prompt.shape[1]) > limit:
+    def _check_limit(self, prompt_length: int, settings: Settings) -> None:
+        limit = self.info.get("max_target_positions")
+        if limit and settings.limit(prompt_length) > limit:
             raise InvalidArgumentError(
-                f"The decoder prompt ({prompt.shape[1]} tokens) plus max_new_tokens is longer than the decoder's {limit} "
-                f"positions; ask for at most {limit - prompt.shape[1]} new tokens."
+                f"The decoder prompt ({prompt_length} tokens) plus max_new_tokens is longer than the decoder's {limit} "
+                f"positions; ask for at most {limit - prompt_length} new tokens."
             )
-        return search(step, cross, mask, prompt, settings)
+
+    def _transcribe(self, features: np.ndarray, mask: np.ndarray | None, settings: Settings, language: str | None,
+                    task: str | None, return_timestamps: bool | None) -> np.ndarray:
+        """Whisper as transformers' ``WhisperForConditionalGeneration.generate`` runs it: the
+        encoder's window of frames at a time (the last one zero-padded), each window decoded from
+        the same prompt, and with timestamps the next window starting where the model's last
+        complete segment ended (a window whose tokens end in a lone timestamp, or hold no pair of
+        them, was spoken to its end). Without timestamps, one window."""
+        info, generation, config = self.info, self.generation, self.config
+        window, batch, total = int(info["frames"]), len(features), features.shape[2]
+        seconds = window * _SECONDS_PER_FRAME
+        long_form = total > window
+        if return_timestamps is None:
+            return_timestamps = bool(generation.get("return_timestamps")) or long_form
+        elif long_form and not return_timestamps:
+            raise InvalidArgumentError(
+                f"input_features holds {total} frames, more than the encoder's window of {window} ({seconds:g} s): such "
+                f"audio is decoded a window at a time, each starting where the model's timestamps say the last one's "
+                f"speech ended, so it needs return_timestamps=True (or leave return_timestamps out)."
+            )
+        if long_form and batch > 1 and mask is None:
+            raise InvalidArgumentError(
+                f"input_features holds {batch} rows of more than the encoder's {window} frames: give attention_mask "
+                f"(the feature extractor's return_attention_mask=True, with padding='longest' and truncation=False) "
+                f"so that each row's own length is decoded."
+            )
+        if return_timestamps and settings.num_return_sequences > 1:
+            raise InvalidArgumentError(
+                "num_return_sequences above 1 goes with one window of audio and no timestamps; with timestamps (or "
+                "audio longer than the encoder's window) each row gives one sequence: leave num_return_sequences out."
+            )
+        # transformers counts a row's frames from its mask only for batches of long audio
+        frames = mask.sum(-1).astype(np.int64) if long_form and batch > 1 and mask is not None else np.full(batch, total)
+        first = self._encode_windows(features, np.zeros(batch, np.int64), np.minimum(frames, window), window,
+                                     range(batch), whole=True)
+
+        def detect(prompt: np.ndarray, languages: list[int]) -> np.ndarray:
+            from .search import _empty_past
+
+            logits, _ = self._step(prompt, None, _empty_past(first, batch), first)
+            return np.asarray(languages, np.int64)[logits[:, -1][:, languages].argmax(-1)]
+
+        prompt = speech_prompt({**config, **generation}, batch, language, task, return_timestamps, detect)
+        settings.timestamps = return_timestamps
+        self._check_limit(prompt.shape[1], settings)
+        positions = int(info.get("max_target_positions") or settings.max_length + prompt.shape[1])
+        if not return_timestamps:
+            # one window, its frames past the audio zero
+            return search(self._step, first, None, prompt,
+                          dataclasses.replace(settings, max_length=min(settings.max_length + prompt.shape[1], positions)))
+        return self._seek(features, frames, window, prompt, settings, positions, first)
+
+    def _seek(self, features: np.ndarray, frames: np.ndarray, window: int, prompt: np.ndarray, settings: Settings,
+              positions: int, first: list[np.ndarray]) -> np.ndarray:
+        """Windows with timestamps, row by row until every row's frames are decoded; the rows'
+        prompts, then the tokens of every segment kept, then the end token where the last window
+        ended with it."""
+        from tqdm.auto import tqdm
+
+        batch, length = len(features), prompt.shape[1]
+        first_stamp = int(settings.no_timestamps_token_id) + 1
+        seek = np.zeros(batch, np.int64)
+        kept: list[list[int]] = [[] for _ in range(batch)]
+        ended = [False] * batch
+        max_length, decoded = settings.max_length, 0
+        with tqdm(total=int(frames.sum()), desc="generate (Whisper, window by window)", unit="frame", leave=False,
+                  disable=None) as bar:
+            while (active := [i for i in range(batch) if seek[i] < frames[i]]):
+                spans = np.minimum(frames - seek, window)
+                if decoded == 0 and len(active) == batch and (spans == window).all():
+                    cross = first  # the first window, whole in every row: encoded already
+                else:
+                    cross = self._encode_windows(features, seek, spans, window, active)
+                stride = window // cross[0].shape[2]
+                # transformers lengthens max_length by the prompt at every window (up to the positions)
+                max_length = min(max_length + length, positions)
+                tokens = search(self._step, cross, None, prompt[active], dataclasses.replace(
+                    settings, max_length=max_length,
+                    seed=None if settings.seed is None else settings.seed + decoded))
+                decoded += 1
+                for row, i in zip(tokens, active):
+                    text, ended[i] = _window_text(row[length:].tolist(), settings)
+                    segment, advance = _segments(text, first_stamp, int(spans[i]), stride)
+                    kept[i] += segment
+                    seek[i] += advance
+                bar.update(int(np.minimum(seek, frames).sum()) - bar.n)
+        rows = [np.concatenate([prompt[i], kept[i], settings.eos_token_id[:1] if ended[i] else []]).astype(np.int64)
+                for i in range(batch)]
+        out = np.full((batch, max(map(len, rows))), settings.fill, np.int64)
+        for i, row in enumerate(rows):
+            out[i, :len(row)] = row
+        return out
+
+    def _encode_windows(self, features: np.ndarray, seek: np.ndarray, spans: np.ndarray, window: int, rows: Any,
+                        whole: bool = False) -> list[np.ndarray]:
+        """The cross-attention keys and values of each row's window of frames from ``seek``, the
+        frames past its span zero (as transformers pads the last window); ``whole``: the first
+        window as given (transformers detects the language from it, padding included)."""
+        rows = list(rows)
+        windows = np.zeros((len(rows), features.shape[1], window), np.float32)
+        for k, i in enumerate(rows):
+            end = window if whole else int(spans[i])
+            part = features[i, :, int(seek[i]):int(seek[i]) + end]
+            windows[k, :, :part.shape[1]] = part
+        cross, _ = split_encoded(self._encode(windows, None), int(self.info["layers"]), False, None)
+        return cross
 
     def _source(self, input_ids: Any, attention_mask: Any, input_features: Any,
                 input_values: Any) -> tuple[np.ndarray, np.ndarray | None]:
@@ -304,15 +404,28 @@ class Seq2SeqGenerator:
         source = np.asarray(given, dtype=np.float32)
         if source.ndim == len(dims):
             source = source[None]
-        fits = source.ndim == len(dims) + 1 and all(d is None or d == n for d, n in zip(dims, source.shape[1:]))
+        # Whisper's encoder takes a fixed window of frames; generate decodes audio of any length
+        # a window at a time, as transformers does
+        windowed = None not in dims
+        fits = source.ndim == len(dims) + 1 and all(
+            d is None or d == n or (windowed and k == len(dims) - 1 and n > 0)
+            for k, (d, n) in enumerate(zip(dims, source.shape[1:])))
         if not fits or source.shape[0] == 0:
-            fixed = " (the encoder takes that many frames: pad or cut the audio as the feature extractor does)" \
-                if None not in dims else ""
-            raise InvalidArgumentError(f"{name} must be {what} {layout}{fixed}, not {list(source.shape)}.")
-        if not info["source_mask"]:
-            # every source is the encoder's fixed frames: a mask the feature extractor gave is not
-            # read, as transformers' Whisper does not read it for one window
-            return source, None
+            if windowed:
+                layout = f"[batch, {dims[0]}, frames]"
+            raise InvalidArgumentError(f"{name} must be {what} {layout}, not {list(source.shape)}.")
+        if windowed:
+            # read only for a batch of audio longer than the window (each row's own length), as
+            # transformers' Whisper reads it
+            if attention_mask is None:
+                return source, None
+            mask = _ids(attention_mask, "attention_mask")
+            if mask.shape != (source.shape[0], source.shape[2]) or not np.isin(mask, (0, 1)).all():
+                raise InvalidArgumentError(
+                    f"attention_mask must be 0/1 and shaped [batch, frames] = {[source.shape[0], source.shape[2]]} "
+                    f"like {name}'s rows and frames, not {list(mask.shape)}."
+                )
+            return source, mask
         length = source.shape[1]
         mask = np.ones(source.shape[:2], np.int64) if attention_mask is None else _ids(attention_mask, "attention_mask")
         if mask.shape != source.shape[:2] or not np.isin(mask, (0, 1)).all():
@@ -321,6 +434,41 @@ class Seq2SeqGenerator:
                 f"{list(mask.shape)}."
             )
         return source, mask
+
+
+#: Whisper's feature frames: a hop of 160 samples at 16 kHz
+_SECONDS_PER_FRAME = 0.01
+
+
+def _window_text(tokens: list[int], settings: Settings) -> tuple[list[int], bool]:
+    """A window's new tokens as transformers keeps them: the padding after a finished row taken
+    off (as many tokens from the end as the row holds pad tokens, the end token kept where it is
+    the pad token too), then the end token; and whether the window ended with it."""
+    pad = settings.pad_token_id
+    if tokens and pad is not None and tokens[-1] == pad:
+        count = tokens.count(pad) - (1 if pad in settings.eos_token_id else 0)
+        if count > 0:
+            tokens = tokens[:-count]
+    if tokens and tokens[-1] in settings.eos_token_id:
+        return tokens[:-1], True
+    return tokens, False
+
+
+def _segments(tokens: list[int], first_stamp: int, span: int, stride: int) -> tuple[list[int], int]:
+    """The tokens of a window's complete segments and the frames to seek past (Whisper's
+    sequential decoding, as transformers does it). A segment closes at two timestamps in a row;
+    tokens that end in a lone timestamp, or hold no such pair, were spoken to the window's end
+    (``span`` frames) and are kept whole; otherwise what follows the last pair is an unfinished
+    segment, dropped, and the next window starts at the pair's first timestamp (a timestamp
+    counts ``stride`` frames: the encoder's positions are ``stride`` frames apart)."""
+    stamps = [t >= first_stamp for t in tokens]
+    pairs = [i + 1 for i in range(len(tokens) - 1) if stamps[i] and stamps[i + 1]]
+    if not pairs or stamps[-2:] == [False, True]:
+        return tokens, span
+    end = pairs[-1] + 1
+    advance = (tokens[end - 2] - first_stamp) * stride
+    # a last pair at time zero would decode the same window again forever: take the whole window
+    return tokens[:end], advance if advance > 0 else span
 
 
 def generate_seq2seq(folder: str | os.PathLike, *, session_options: Any = None, **options: Any) -> np.ndarray:
