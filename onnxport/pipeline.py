@@ -254,7 +254,17 @@ class Pipeline:
         if path.stat().st_size >= STREAM_INLINE_BYTES:  # a collection costs 0.1-0.3 s: only where it pays
             release_freed_memory()
         for rule in rules:
-            rule(path)
+            try:
+                rule(path)
+            except Exception as error:
+                # a rule that runs the file where ONNX Runtime refuses it (a shape fixed at capture
+                # failing at another size) is a refusal like any other; anything else is a bug
+                if not type(error).__module__.startswith("onnxruntime"):
+                    raise
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ExportRefusedError(
+                    f"ONNX Runtime cannot run the written file while proving it: {first}; nothing was kept."
+                ) from error
         self.sessions += 1
         if on_default_run is None:
             _checks.run_batches(str(path), self.sizes(), optimized=True)

@@ -69,6 +69,23 @@ def test_a_refusing_rule_leaves_the_target_as_it_was(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
+def test_a_rule_that_onnx_runtime_cannot_run_is_a_refusal_and_leaves_the_target(tmp_path):
+    import onnxruntime as ort
+
+    target = tmp_path / "m.onnx"
+    target.write_bytes(b"the previous file")
+
+    def run_at_a_wrong_width(path):
+        ort.InferenceSession(str(path)).run(None, {"x": np.ones((2, 5), np.float32)})
+
+    with pytest.raises(ExportRefusedError, match="ONNX Runtime cannot run the written file while proving it"):
+        run_plan(_plan(rules=[run_at_a_wrong_width]), target)
+    assert target.read_bytes() == b"the previous file"
+    # a rule's own bug is not dressed up as the file's refusal
+    with pytest.raises(ZeroDivisionError):
+        run_plan(_plan(rules=[lambda path: 1 / 0]), target)
+
+
 def test_steps_may_depend_on_the_stage_and_the_captured_graph_is_checked_first(tmp_path):
     folders = []
 
