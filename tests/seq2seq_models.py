@@ -61,6 +61,18 @@ def t5() -> torch.nn.Module:
     return _ending(T5ForConditionalGeneration(config).eval(), 3.0)
 
 
+def longt5(attention: str = "local") -> torch.nn.Module:
+    """A small LongT5: attention within blocks of ``local_radius + 1`` = 5 tokens and their
+    neighbours (``'local'``), or with each block of 4 summarised as well (``'transient-global'``)."""
+    from transformers import LongT5Config, LongT5ForConditionalGeneration
+
+    config = LongT5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, local_radius=4,
+                          global_block_size=4, encoder_attention_type=attention, decoder_start_token_id=0,
+                          pad_token_id=0, eos_token_id=1, initializer_factor=1.0)
+    torch.manual_seed(1)
+    return _ending(LongT5ForConditionalGeneration(config).eval(), 3.0)
+
+
 #: scaled embeddings (Marian, M2M100, mBART), sinusoidal positions (Marian, M2M100), forced
 #: language tokens (mBART, M2M100: forced_bos_token_id), the end forced at the limit (BART)
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {

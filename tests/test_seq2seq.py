@@ -15,7 +15,7 @@ from onnxport.errors import ExportRefusedError, InvalidArgumentError
 from onnxport.llm import export_seq2seq, generate
 from tests.conftest import families
 
-from .seq2seq_models import FAMILIES, SMALL, VOCAB, WHISPER_TOKENS, bart_like, whisper
+from .seq2seq_models import FAMILIES, SMALL, VOCAB, WHISPER_TOKENS, bart_like, longt5, whisper
 
 
 def _source(model, rows: int = 3, length: int = 9, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -210,6 +210,28 @@ def test_whisper_from_features_generates_what_transformers_generates(whisper_fil
     if "language" in options:
         for row, theirs in zip(got, whispered):
             assert _text_tokens(row, 4) == [x for x in theirs.tolist() if x != t["pad"]]
+
+
+def test_longt5_local_attention_generates_at_lengths_in_and_out_of_whole_blocks(tmp_path):
+    """LongT5 splits its source into blocks of 5, padding the last one only where the length is not
+    a whole number of blocks (a branch on the length, which its adapter's capture takes out): the
+    file, captured at one length, generates what transformers generates at 9 (padded) and 10
+    (whole) tokens, with padding on both sides."""
+    model = longt5()
+    result = export_seq2seq(model, tmp_path / "onnx")
+    assert result.token_agreement == 1.0
+    for length in (9, 10):
+        ids, mask = _source(model, length=length)
+        for search in SEARCHES[:2]:
+            assert np.array_equal(generate(result.folder, ids, mask, **search), _transformers(model, ids, mask, **search))
+
+
+def test_longt5_transient_global_attention_is_refused_naming_the_fixed_length(tmp_path):
+    # torch.export proves the source length fixed (its global blocks' count guards on it): the
+    # export says which axis and leaves nothing behind
+    with pytest.raises(InvalidArgumentError, match="fixes the size of 'input_ids' axis 1"):
+        export_seq2seq(longt5("transient-global"), tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()
 
 
 def test_english_only_whisper_takes_no_language(tmp_path):

@@ -8,6 +8,7 @@ Shared by the front door (``export_pretrained``) and the generation exporters (`
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -207,3 +208,36 @@ def _integer_output_lengths(model: torch.nn.Module) -> Iterator[None]:
 
 
 register("moonshine")(Adapter(load_kwargs=dict(DEFAULT.load_kwargs), capturing=_integer_output_lengths))
+
+
+def _blocks(x: torch.Tensor, block_len: int, dim: int) -> torch.Tensor:
+    """``x`` split on ``dim`` into blocks of ``block_len``, the last one padded with zeros, for
+    every non-empty ``x`` by the same operations (the padding is zero long where ``dim`` is a
+    multiple of ``block_len`` already)."""
+    dim %= x.ndim
+    padding = [0] * (2 * x.ndim)
+    padding[2 * (x.ndim - 1 - dim) + 1] = -x.shape[dim] % block_len  # F.pad lists the last axis first
+    x = torch.nn.functional.pad(x, padding)
+    return x.reshape(x.shape[:dim] + (x.shape[dim] // block_len, block_len) + x.shape[dim + 1:])
+
+
+@contextlib.contextmanager
+def _blocks_without_branches(model: torch.nn.Module) -> Iterator[None]:
+    """LongT5's local attention splits the sequence into blocks with a module function that pads
+    only where the length is not a multiple of the block already — a Python ``if`` on the traced
+    length, so torch.export proves the length fixed — and returns an empty tensor for an empty
+    input. While capturing, the model's modeling module splits by :func:`_blocks`: the same tensor
+    for every non-empty input, by operations that hold at any length."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    changed = [(module, module._split_into_blocks) for module in modules
+               if callable(getattr(module, "_split_into_blocks", None))]
+    for module, _ in changed:
+        vars(module)["_split_into_blocks"] = _blocks
+    try:
+        yield
+    finally:
+        for module, original in changed:
+            vars(module)["_split_into_blocks"] = original
+
+
+register("longt5")(Adapter(load_kwargs=dict(DEFAULT.load_kwargs), capturing=_blocks_without_branches))
