@@ -87,10 +87,15 @@ def run_batches(
         session = make_session(source, optimized=optimized, session_options=options)
         return [session.run(None, dict(feeds)) for feeds in batches]
     except Exception as error:  # ORT's pybind errors share no base class worth naming
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExportRefusedError(
-            f"ONNX Runtime cannot run the graph at its {level} level: {first}; nothing was kept."
+            f"ONNX Runtime cannot run the graph at its {level} level: {first_line(error)}; nothing was kept."
         ) from error
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (its type's name when it says nothing), for a refusal that quotes it."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def check_identical_outputs(

@@ -261,9 +261,9 @@ class Pipeline:
                 # failing at another size) is a refusal like any other; anything else is a bug
                 if not type(error).__module__.startswith("onnxruntime"):
                     raise
-                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise ExportRefusedError(
-                    f"ONNX Runtime cannot run the written file while proving it: {first}; nothing was kept."
+                    f"ONNX Runtime cannot run the written file while proving it: {_checks.first_line(error)}; "
+                    f"nothing was kept."
                 ) from error
         self.sessions += 1
         if on_default_run is None:
