@@ -226,6 +226,7 @@ def test_longt5_local_attention_generates_at_lengths_in_and_out_of_whole_blocks(
             assert np.array_equal(generate(result.folder, ids, mask, **search), _transformers(model, ids, mask, **search))
 
 
+@pytest.mark.slow  # a whole capture (48 s on 2 cores) to see a refusal: CI is over its 30 minutes
 def test_longt5_transient_global_attention_is_refused_naming_the_fixed_length(tmp_path):
     # torch.export proves the source length fixed (its global blocks' count guards on it): the
     # export says which axis and leaves nothing behind
