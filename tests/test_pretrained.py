@@ -206,6 +206,33 @@ def test_the_file_runs_with_the_folders_tokenizer(tmp_path):
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_an_encoder_decoders_encoder_and_a_tower_saved_alone_are_feature_extraction(tmp_path):
+    """T5's embeddings come from its encoder alone (the decoder needs ids the task has not got), and
+    a text tower saved by itself is a class AutoModel does not load: both export as feature-extraction."""
+    import transformers
+
+    torch.manual_seed(0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)).eval()
+    t5.save_pretrained(tmp_path / "t5")
+    result = export_pretrained(tmp_path / "t5", tmp_path / "out", task="feature-extraction")
+    assert result.inputs == ["input_ids", "attention_mask"] and result.outputs == ["last_hidden_state"]
+    ids = torch.tensor([[5, 9, 3, 1], [7, 2, 1, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    with torch.no_grad():
+        expected = t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    got = ONNXModel(result.path)(input_ids=ids.numpy(), attention_mask=mask.numpy())
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+    tower = transformers.SiglipTextModel(transformers.SiglipTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=16))
+    folder = folders._saved(tmp_path / "siglip", tower)
+    result = export_pretrained(folder, tmp_path / "out2")  # task='auto'
+    assert result.task == "feature-extraction" and result.outputs == ["last_hidden_state", "pooler_output"]
+    assert all(proof["passed"] for proof in result.proofs)
+
+
 def _refused(tmp_path: Path, match: str, source, **kwargs) -> None:
     out = tmp_path / "out"
     with pytest.raises(InvalidArgumentError, match=match):

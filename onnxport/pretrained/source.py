@@ -15,7 +15,7 @@ import torch
 
 from .._core.adapters import adapter_for
 from ..errors import DependencyError, InvalidArgumentError
-from .tasks import Task, get_task, infer_task
+from .tasks import Task, get_task, infer_task, model_class
 
 #: Files a folder may hold that a deployment needs beside the model (tokenizers, processors,
 #: generation settings); copied into the output folder when present.
@@ -98,7 +98,8 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
     adapter = adapter_for(getattr(config, "model_type", ""))
     import transformers
 
-    auto = getattr(transformers, task.auto_class)
+    auto = getattr(transformers, model_class(task, getattr(config, "architectures", None),
+                                             getattr(config, "model_type", "")))
     try:
         try:
             model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,

@@ -7,6 +7,7 @@ that class (transformers' own tables: a new architecture needs no entry here).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -107,6 +108,37 @@ def _listed(mapping: str, architecture: str) -> bool:
     return False
 
 
+#: transformers' table of text encoders: the encoder of an encoder-decoder (``T5EncoderModel``) and
+#: the text tower of a multimodal model (``MllamaTextModel``), keyed by model_type.
+TEXT_ENCODERS = "MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES"
+
+#: A text or vision tower saved alone (``SiglipTextModel``, ``BlipVisionModel``): a bare model that no Auto table lists.
+_TOWER = re.compile(r"(Text|Vision|Image|Encoder)Model$")
+
+
+def _tower(architecture: str) -> bool:
+    """A transformers bare model of one modality that no Auto table lists (its own class loads it)."""
+    import transformers
+
+    return bool(_TOWER.search(architecture)) and hasattr(transformers, architecture) and not any(
+        _listed(mapping, architecture) for mapping in ("MODEL_MAPPING_NAMES", TEXT_ENCODERS))
+
+
+def model_class(task: Task, architectures: Sequence[str] | None, model_type: str) -> str:
+    """The transformers class that loads a folder for ``task``: the task's Auto class, except for the
+    base-model tasks, which load the encoder alone of an encoder-decoder (``T5EncoderModel`` from a
+    T5 checkpoint: its embeddings come from the encoder, whose inputs the front door builds) and a
+    tower saved alone by its own class (``AutoModel`` knows neither)."""
+    if task.auto_class != "AutoModel":
+        return task.auto_class
+    from transformers.models.auto import modeling_auto
+
+    architecture = (architectures or [""])[0]
+    if task.modality == "text" and model_type in getattr(modeling_auto, TEXT_ENCODERS, {}):
+        return "AutoModelForTextEncoding"
+    return architecture if _tower(architecture) else task.auto_class
+
+
 def infer_task(architectures: Sequence[str] | None, *, vision: bool, where: str) -> Task:
     """The task of a config's ``architectures`` (its first entry), by the Auto table that lists it.
 
@@ -128,6 +160,8 @@ def infer_task(architectures: Sequence[str] | None, *, vision: bool, where: str)
             continue
         if _listed(task.mapping, architecture):
             return task
+    if _listed(TEXT_ENCODERS, architecture) or _tower(architecture):
+        return TASKS["image-feature-extraction" if vision else "feature-extraction"]
     raise InvalidArgumentError(
         f"{where} holds a {architecture}, which no task onnxport exports lists; pass task= one of: "
         f"{', '.join(task_names())}, if the model does one of them."
