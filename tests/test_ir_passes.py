@@ -177,12 +177,13 @@ class _NudgeWeight(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, True)
 
 
-def _matmul_model() -> ir.Model:
+def _matmul_model(w: np.ndarray | None = None) -> ir.Model:
+    w = RNG.standard_normal((3, 4)).astype(np.float32) if w is None else w
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["m"]),
          helper.make_node("ReduceMean", ["m", "axes"], ["y"], keepdims=0, name="mean")],
         "g", [helper.make_tensor_value_info("x", FLOAT, [2, 3])], [helper.make_tensor_value_info("y", FLOAT, [2])],
-        [_c("w", RNG.standard_normal((3, 4)).astype(np.float32)), _c("axes", np.array([1], np.int64))])
+        [_c("w", w), _c("axes", np.array([1], np.int64))])
     return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
 
 
@@ -655,16 +656,20 @@ def test_metadata_pass_is_honest_and_idempotent():
 
 @pytest.mark.parametrize("mode", ["dynamic", "static"])
 def test_orts_quantizer_as_a_pass_returns_a_new_quantized_model(tmp_path, mode):
-    model = _matmul_model()
-    calibration = [{"x": RNG.standard_normal((2, 3)).astype(np.float32)} for _ in range(4)]
+    # positive inputs and weights: the row means cannot cancel to near zero, so an error of a tenth
+    # of the output is a wrong quantization whatever the seed or the order the tests ran in
+    rng = np.random.default_rng(7)
+    model = _matmul_model(np.abs(rng.standard_normal((3, 4))).astype(np.float32))
+    calibration = [{"x": np.abs(rng.standard_normal((2, 3))).astype(np.float32)} for _ in range(4)]
+    feeds = {"x": np.abs(rng.standard_normal((2, 3))).astype(np.float32)}
     result = OrtQuantizePass(tmp_path, OrtQuantizeOptions(mode, calibration))(model)
     ops = {n.op_type for n in result.model.graph}
     assert result.modified and result.model is not model
     assert ops & {"DynamicQuantizeLinear", "MatMulInteger", "QuantizeLinear"}, ops
     assert "MatMul" in {n.op_type for n in model.graph}  # the input model is left as it was
-    got = run(ir.to_proto(result.model), FEEDS, optimized=True)[0]
-    want = run(ir.to_proto(model), FEEDS, optimized=True)[0]
-    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    got = run(ir.to_proto(result.model), feeds, optimized=True)[0]
+    want = run(ir.to_proto(model), feeds, optimized=True)[0]
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).min()
 
 
 def test_the_pipeline_writes_lazily_loaded_weights_into_the_files_own_data(tmp_path):
