@@ -10,7 +10,7 @@ import torch
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "model", "file", "is", "good", "bad",
          *(f"w{i}" for i in range(120))]
-TEXT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}
+TEXT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}
 
 
 def _bert_tokenizer(folder: Path) -> None:
@@ -35,7 +35,7 @@ def bert(folder: Path, head: str = "BertForSequenceClassification", tokenizer: b
 def distilbert_qa(folder: Path) -> Path:
     from transformers import DistilBertConfig, DistilBertForQuestionAnswering
 
-    config = DistilBertConfig(vocab_size=len(WORDS), dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+    config = DistilBertConfig(vocab_size=len(WORDS), dim=32, n_layers=1, n_heads=2, hidden_dim=64,
                               max_position_embeddings=64, architectures=["DistilBertForQuestionAnswering"])
     torch.manual_seed(0)
     DistilBertForQuestionAnswering(config).eval().save_pretrained(folder)
@@ -56,7 +56,7 @@ def roberta_tokens(folder: Path) -> Path:
 def vit(folder: Path) -> Path:
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
-    config = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+    config = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
                        patch_size=8, num_labels=5, architectures=["ViTForImageClassification"])
     torch.manual_seed(0)
     ViTForImageClassification(config).eval().save_pretrained(folder)
@@ -90,7 +90,7 @@ def wav2vec2(folder: Path, head: str = "Wav2Vec2ForCTC") -> Path:
     import transformers
 
     config = transformers.Wav2Vec2Config(
-        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=12, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
         conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=2, num_labels=3, architectures=[head], do_stable_layer_norm=False)
     torch.manual_seed(0)
@@ -103,9 +103,9 @@ def clip(folder: Path) -> Path:
     from transformers import CLIPConfig, CLIPModel
 
     config = CLIPConfig(
-        text_config={"vocab_size": len(WORDS), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        text_config={"vocab_size": len(WORDS), "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                          "intermediate_size": 64, "max_position_embeddings": 32},
-        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+        vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
                            "image_size": 32, "patch_size": 8},
         projection_dim=16, architectures=["CLIPModel"])
     torch.manual_seed(0)
@@ -136,7 +136,7 @@ def dinov2(folder: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=64, image_size=32, patch_size=8)
     return _saved(folder, transformers.Dinov2Model(config))
 
@@ -145,7 +145,7 @@ def yolos(folder: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.YolosConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    config = transformers.YolosConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                       image_size=[64, 64], patch_size=16, num_detection_tokens=5, num_labels=3)
     return _saved(folder, transformers.YolosForObjectDetection(config))
 
@@ -167,7 +167,7 @@ def ast(folder: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    config = transformers.ASTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                     max_length=64, num_mel_bins=32, num_labels=3)
     _saved(folder, transformers.ASTForAudioClassification(config))
     transformers.ASTFeatureExtractor(num_mel_bins=32, max_length=64).save_pretrained(folder)
@@ -178,7 +178,7 @@ def whisper_classifier(folder: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.WhisperConfig(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+    config = transformers.WhisperConfig(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
                                         decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
                                         num_mel_bins=16, max_source_positions=50, num_labels=3, vocab_size=100)
     return _saved(folder, transformers.WhisperForAudioClassification(config))

@@ -76,10 +76,11 @@ def _dims(value: onnx.ValueInfoProto) -> list:
     return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
 
 
-# llama: the base; qwen3: q/k norms; phi3: fused projections; gemma2: soft-capping and alternating
-# windows; gpt2: learned positions and Conv1D (qwen2, mistral, gemma repeat these with variations)
+# llama: the base; gemma2: soft-capping and alternating windows; gpt2: learned positions and Conv1D
+# (qwen3's q/k norms and phi3's fused projections are captured the same way for the 'ort-cpu' matrix
+# below, which runs them by default; qwen2, mistral, gemma repeat these with variations)
 @pytest.mark.parametrize("family", families(["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gpt2"],
-                                            by_default=("llama", "qwen3", "phi3", "gemma2", "gpt2")))
+                                            by_default=("llama", "gemma2", "gpt2")))
 def test_fp32_decoder_generates_what_transformers_generates(family, tmp_path):
     model = _model(family)
     result = export_decoder(model, tmp_path / "decoder.onnx")
@@ -453,7 +454,9 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
     assert agreement >= 0.9, f"{agreement:.1%} of the int4 file's greedy tokens are the torchao model's"
 
 
-@pytest.mark.parametrize(("family", "flavour"), [("qwen3_moe", "portable"),
+# portable routed experts by default through DeepSeek-V3's (shared experts, grouped sigmoid routing) and,
+# int4, Mixtral's in the test above; ORT's MoE kernel through Mixtral's
+@pytest.mark.parametrize(("family", "flavour"), [pytest.param("qwen3_moe", "portable", marks=pytest.mark.slow),
                                                pytest.param("qwen3_moe", "ort-cpu", marks=pytest.mark.slow),
                                                ("mixtral", "ort-cpu"), ("deepseek_v3", "portable")])
 def test_mixture_of_experts_decoders_generate_what_transformers_generates(family, flavour, tmp_path):

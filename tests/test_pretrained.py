@@ -127,8 +127,9 @@ def test_weight_only_needs_no_calibration_and_keeps_torchaos_integers(tmp_path, 
     assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
     integer_type = onnx.TensorProto.INT4 if bits == 4 else onnx.TensorProto.INT8
     weights = [t for t in graph.initializer if t.data_type == integer_type]
-    # every Linear of the 2-layer BERT (6 per layer), its pooler and its classifier
-    assert len(weights) == sum(n.op_type == "DequantizeLinear" for n in graph.node) == 14
+    # every Linear of the BERT (6 per layer), its pooler and its classifier
+    linears = 6 * folders.TEXT["num_hidden_layers"] + 2
+    assert len(weights) == sum(n.op_type == "DequantizeLinear" for n in graph.node) == linears
     (proof,) = result.proofs  # within twice the torchao model's own rounding floor, as the file's ONNX semantics
     assert proof["passed"] and all(o["passed"] for o in proof["outputs"])
     # int4 groups: 128 input features, or the largest power of two dividing every width (32 here)
@@ -151,7 +152,7 @@ def test_dynamic_int8_in_one_command_without_calibration(tmp_path):
     assert f"logits cosine {printed} (its rounding floor" in done.stdout
     graph = onnx.load(str(tmp_path / "out" / "model.onnx")).graph
     ops = [n.op_type for n in graph.node]
-    assert ops.count("MatMulInteger") == 14 and "QuantizeLinear" not in ops
+    assert ops.count("MatMulInteger") == 6 * folders.TEXT["num_hidden_layers"] + 2 and "QuantizeLinear" not in ops
     assert [v.name for v in graph.input] == ["input_ids", "attention_mask", "token_type_ids"]
     assert all(_dims(v)[:2] == ["batch", "sequence"] for v in graph.input)
 

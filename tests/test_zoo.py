@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import transformers  # noqa: F401  a test dependency: missing, the suite must fail, not skip
 
-from tests.conftest import activation_products, assert_faithful
+from tests.conftest import activation_products, assert_faithful, families
 from tests.zoo import LENGTHS, TOKENS, zoo
 
 ZOO = {entry.name: entry for entry in zoo()}
@@ -42,7 +42,11 @@ def _assert_fusable(path) -> None:
     assert not ops["Erf"] and not ops["Reciprocal"], dict(ops)
 
 
-@pytest.mark.parametrize("name", list(ZOO))
+# one of each kind by default: plain, depthwise and squeeze-excite convolutions, patch and window
+# attention, an encoder, a decoder and audio frames (ConvNeXt, RegNet, DistilBERT, RoBERTa and GPT-2
+# repeat these: -m slow)
+@pytest.mark.parametrize("name", families(list(ZOO), by_default=("ResNet", "MobileNetV2", "EfficientNet", "ViT", "Swin",
+                                                                 "BERT", "Llama", "Whisper encoder")))
 def test_float_export_matches_torch_and_runs_the_same_in_openvino(tmp_path, name):
     from onnxport import ONNXModel, compare_onnx, export_onnx
 
@@ -188,7 +192,7 @@ def test_text_models_called_with_an_attention_mask_in_every_function(tmp_path, n
     assert not np.allclose(with_padding, without)  # the mask reaches the attention
 
 
-@pytest.mark.parametrize("name", ["GPT-2", "Llama"])
+@pytest.mark.parametrize("name", families(["GPT-2", "Llama"], by_default=("Llama",)))
 def test_decoders_as_loaded_with_their_key_value_cache_on_export_without_it(tmp_path, name):
     """``from_pretrained`` leaves ``config.use_cache`` on, and the model then returns a ``Cache``
     object that torch.export cannot return: every function captures the whole-sequence graph
