@@ -225,12 +225,14 @@ def test_an_encoder_decoders_encoder_and_a_tower_saved_alone_are_feature_extract
     got = ONNXModel(result.path)(input_ids=ids.numpy(), attention_mask=mask.numpy())
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
-    tower = transformers.SiglipTextModel(transformers.SiglipTextConfig(
+    # Stable Diffusion's text encoder: its own class, with the projection AutoModelForTextEncoding's
+    # CLIPTextModel would leave out
+    tower = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        max_position_embeddings=16))
-    folder = folders._saved(tmp_path / "siglip", tower)
+        max_position_embeddings=16, projection_dim=8))
+    folder = folders._saved(tmp_path / "clip", tower)
     result = export_pretrained(folder, tmp_path / "out2")  # task='auto'
-    assert result.task == "feature-extraction" and result.outputs == ["last_hidden_state", "pooler_output"]
+    assert result.task == "feature-extraction" and result.outputs == ["text_embeds", "last_hidden_state"]
     assert all(proof["passed"] for proof in result.proofs)
 
 

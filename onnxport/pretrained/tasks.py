@@ -112,8 +112,9 @@ def _listed(mapping: str, architecture: str) -> bool:
 #: the text tower of a multimodal model (``MllamaTextModel``), keyed by model_type.
 TEXT_ENCODERS = "MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES"
 
-#: A text or vision tower saved alone (``SiglipTextModel``, ``BlipVisionModel``): a bare model that no Auto table lists.
-_TOWER = re.compile(r"(Text|Vision|Image|Encoder)Model$")
+#: A text or vision tower saved alone (``SiglipTextModel``, ``CLIPTextModelWithProjection``): a bare
+#: model that no Auto table lists.
+_TOWER = re.compile(r"(Text|Vision|Image|Encoder)Model(WithProjection)?$")
 
 
 def _tower(architecture: str) -> bool:
@@ -134,9 +135,11 @@ def model_class(task: Task, architectures: Sequence[str] | None, model_type: str
     from transformers.models.auto import modeling_auto
 
     architecture = (architectures or [""])[0]
+    if _tower(architecture):  # its own class: CLIPTextModelWithProjection, not the table's CLIPTextModel
+        return architecture
     if task.modality == "text" and model_type in getattr(modeling_auto, TEXT_ENCODERS, {}):
         return "AutoModelForTextEncoding"
-    return architecture if _tower(architecture) else task.auto_class
+    return task.auto_class
 
 
 def infer_task(architectures: Sequence[str] | None, *, vision: bool, where: str) -> Task:
