@@ -291,6 +291,10 @@ def test_unreadable_weights_and_an_unknown_architecture_are_named(tmp_path):
     config["architectures"] = ["NoSuchModelForTeleportation"]
     (causal / "config.json").write_text(json.dumps(config))
     _refused(tmp_path, "NoSuchModelForTeleportation, which no task onnxport exports lists", causal)
+    # a base checkpoint asked for a head it has not got: transformers would make the head up
+    base = folders.bert(tmp_path / "base", head="BertModel", tokenizer=False)
+    _refused(tmp_path, r"classifier\.bias, classifier\.weight the folder does not hold \(it was saved as BertModel\)",
+             base, task="text-classification")
 
 
 def test_an_existing_output_folder_keeps_its_other_files(tmp_path):

@@ -102,14 +102,15 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
                                              getattr(config, "model_type", "")))
     try:
         try:
-            model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                         trust_remote_code=trust_remote_code, **adapter.load_kwargs)
+            model, info = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                               trust_remote_code=trust_remote_code, output_loading_info=True,
+                                               **adapter.load_kwargs)
         except ValueError as error:
             if "attn_implementation" not in adapter.load_kwargs or "attn" not in str(error).lower():
                 raise
             # a family without that attention implementation: its own default
-            model = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                         trust_remote_code=trust_remote_code)
+            model, info = auto.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                               trust_remote_code=trust_remote_code, output_loading_info=True)
     except ValueError as error:  # the Auto class does not know this config for this task
         raise InvalidArgumentError(
             f"task={task.name!r} does not fit the {getattr(config, 'model_type', '?')} model in '{folder}' "
@@ -125,7 +126,26 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
             f"the weights in '{folder}' cannot be loaded ({type(error).__name__}: {_first_line(error)}); replace "
             f"them with the files save_pretrained wrote."
         ) from error
+    _all_weights_read(info, model, task, folder, getattr(config, "architectures", None))
     return Loaded(model.eval(), task, folder, f"{type(model).__name__} from '{folder}'", _preprocessor(folder))
+
+
+def _all_weights_read(info: dict[str, Any], model: torch.nn.Module, task: Task, folder: Path,
+                      architectures: list[str] | None) -> None:
+    """Refuse a model whose weights the folder does not all hold: transformers fills those at
+    random (a classifier head on a base checkpoint, a head of another size), and the file would
+    compute what the random weights compute, proven faithful to them."""
+    absent = sorted(set(info.get("missing_keys", ())))  # (a head of another size fails to load instead)
+    if not absent:
+        return
+    shown = ", ".join(absent[:4]) + (f" and {len(absent) - 4} more" if len(absent) > 4 else "")
+    saved = f" (it was saved as {architectures[0]})" if architectures else ""
+    raise InvalidArgumentError(
+        f"task={task.name!r} loads '{folder}' as a {type(model).__name__}, whose weights {shown} the folder does not "
+        f"hold{saved}: transformers would fill them at random. Nothing was written. Pass the task the folder was "
+        f"saved for (task='auto' reads it), or load and fine-tune the model yourself and give it to "
+        f"export_pretrained in memory."
+    )
 
 
 def _takes_pixels(config: Any, architectures: list[str] | None = None) -> bool:
