@@ -203,6 +203,21 @@ def test_every_broken_input_file_is_a_named_usage_error_without_traceback(tmp_pa
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_the_file_only_commands_never_import_torch(tmp_path):
+    """stats and encodings read and write ONNX files only: importing torch would cost each run
+    seconds before its first line of output."""
+    _bad_files(tmp_path)
+    encodings = tmp_path / "e.encodings"
+    encodings.write_text('{"version": "2.0.0", "encodings": []}')
+    good, out = tmp_path / "good.onnx", tmp_path / "out.onnx"
+    script = (f"import sys; from onnxport.cli import main; "
+              f"codes = [main(['stats', {str(good)!r}]), main(['encodings', {str(good)!r}, {str(encodings)!r}, '-o', {str(out)!r}])]; "
+              f"print(codes, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0] False" and out.is_file()
+
+
 def test_debug_and_verify_name_a_broken_file_too(tmp_path):
     _bad_files(tmp_path)
     for args in (["debug", "unused.pt2", str(tmp_path / "truncated.onnx"), "--input-shape", "1,4", "--optimized"],

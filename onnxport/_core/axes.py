@@ -12,12 +12,14 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 
 from ..errors import ExportRefusedError, FixedAxesError, InvalidArgumentError
+
+if TYPE_CHECKING:  # torch is imported where it runs: the file-only commands (stats, encodings) never load it
+    import torch
 
 #: input name → {axis: label}
 Axes = dict[str, dict[int, str]]
@@ -135,6 +137,8 @@ def describe(axes: Axes) -> str:
 def tracing_inputs(inputs: tuple[torch.Tensor, ...], names: Sequence[str], axes: Axes) -> tuple[torch.Tensor, ...]:
     """torch.export specialises a dimension of size 0 or 1: such a symbolic axis is traced at
     size 2, repeating the sample along it (a batch row, a token)."""
+    import torch
+
     grow = {label for name, t in zip(names, inputs) for axis, label in axes.get(name, {}).items() if t.shape[axis] < 2}
     if not grow:
         return inputs
@@ -153,6 +157,8 @@ def tracing_inputs(inputs: tuple[torch.Tensor, ...], names: Sequence[str], axes:
 
 
 def _dims(axes: Axes, ranges: Mapping[str, tuple[int | None, int | None]]) -> dict[str, Any]:
+    import torch
+
     dims = {}
     for spec in axes.values():
         for label in spec.values():
@@ -168,6 +174,8 @@ def export_shapes(axes: Axes, names: Sequence[str], inputs: Sequence[torch.Tenso
     """``dynamic_shapes`` for ``torch.export``: one ``Dim`` per label, shared by the inputs that
     name it; with ``auto``, ``Dim.AUTO`` everywhere (torch.export then bounds each size by the
     guards the model needs, such as a feature map that must stay wider than 1)."""
+    import torch
+
     if not axes:
         return None
     dims = {label: torch.export.Dim.AUTO for spec in axes.values() for label in spec.values()} if auto \
@@ -307,6 +315,8 @@ def specialized_error(model: Any, axes: Axes, static: Mapping[str, int], message
 # -- files ----------------------------------------------------------------------------------
 def fixed_in_capture(module: Any, names: Sequence[str], axes: Axes) -> dict[str, int]:
     """Labels whose axis a torch.export capture (its graph module) holds at a fixed size."""
+    import torch
+
     fixed = {}
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     for name, node in zip(names, placeholders):
