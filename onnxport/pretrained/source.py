@@ -133,9 +133,9 @@ def load_folder(folder: Path, task_name: str, *, trust_remote_code: bool) -> Loa
 def _all_weights_read(info: dict[str, Any], model: torch.nn.Module, task: Task, folder: Path,
                       architectures: list[str] | None) -> None:
     """Refuse a model whose weights the folder does not all hold: transformers fills those at
-    random (a classifier head on a base checkpoint, a head of another size), and the file would
-    compute what the random weights compute, proven faithful to them."""
-    absent = sorted(set(info.get("missing_keys", ())))  # (a head of another size fails to load instead)
+    random (a classifier head on a base checkpoint), and the file would compute what the random
+    weights compute, proven faithful to them. (A head of another size fails to load instead.)"""
+    absent = sorted(set(info.get("missing_keys", ())))
     if not absent:
         return
     shown = ", ".join(absent[:4]) + (f" and {len(absent) - 4} more" if len(absent) > 4 else "")
