@@ -224,6 +224,13 @@ def test_an_encoder_decoders_encoder_and_a_tower_saved_alone_are_feature_extract
         expected = t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
     got = ONNXModel(result.path)(input_ids=ids.numpy(), attention_mask=mask.numpy())
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    # a family transformers' text-encoding table does not list: its encoder class by its naming
+    from onnxport.pretrained.tasks import TASKS, model_class
+
+    base = TASKS["feature-extraction"]
+    assert model_class(base, ["LongT5ForConditionalGeneration"], "longt5") == "LongT5EncoderModel"
+    assert model_class(base, ["BertForMaskedLM"], "bert") == "AutoModelForTextEncoding"  # BertModel, as AutoModel
+    assert model_class(base, ["BartForConditionalGeneration"], "bart") == "AutoModel"  # no encoder class
 
     # Stable Diffusion's text encoder: its own class, with the projection AutoModelForTextEncoding's
     # CLIPTextModel would leave out

@@ -128,8 +128,9 @@ def _tower(architecture: str) -> bool:
 def model_class(task: Task, architectures: Sequence[str] | None, model_type: str) -> str:
     """The transformers class that loads a folder for ``task``: the task's Auto class, except for the
     base-model tasks, which load the encoder alone of an encoder-decoder (``T5EncoderModel`` from a
-    T5 checkpoint: its embeddings come from the encoder, whose inputs the front door builds) and a
-    tower saved alone by its own class (``AutoModel`` knows neither)."""
+    T5 checkpoint, by transformers' text-encoding table, or ``LongT5EncoderModel`` by its naming: the
+    embeddings come from the encoder, whose inputs the front door builds) and a tower saved alone
+    by its own class (``AutoModel`` knows neither)."""
     if task.auto_class != "AutoModel":
         return task.auto_class
     from transformers.models.auto import modeling_auto
@@ -139,6 +140,14 @@ def model_class(task: Task, architectures: Sequence[str] | None, model_type: str
         return architecture
     if task.modality == "text" and model_type in getattr(modeling_auto, TEXT_ENCODERS, {}):
         return "AutoModelForTextEncoding"
+    # an encoder-decoder the table does not list (LongT5): its encoder class by transformers' naming
+    base = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    if task.modality == "text" and isinstance(base, str) and base.endswith("Model"):
+        import transformers
+
+        encoder = f"{base[:-len('Model')]}EncoderModel"
+        if hasattr(transformers, encoder):
+            return encoder
     return task.auto_class
 
 
