@@ -35,7 +35,7 @@ _SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
-def _config(family: str):
+def _config(family: str, layers: int = 2):
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256)
     extra = {
@@ -46,14 +46,14 @@ def _config(family: str):
     }[family]
     configs = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
                "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config"}
-    return getattr(transformers, configs[family])(**_SMALL, **extra)
+    return getattr(transformers, configs[family])(**{**_SMALL, "num_hidden_layers": layers}, **extra)
 
 
-def _model(family: str, seed: int = 0) -> torch.nn.Module:
+def _model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+        return transformers.AutoModelForCausalLM.from_config(_config(family, layers)).eval()
 
 
 def _prompts(seed: int = 1, length: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +105,8 @@ def test_fp32_decoder_generates_what_transformers_generates(family, tmp_path):
 
 @pytest.fixture(scope="module")
 def ort_cpu_llama(tmp_path_factory):
-    model = _model("llama")
+    # three layers: the first two captured, the second repeated (onnxport.llm.repeat), then fused
+    model = _model("llama", layers=3)
     return model, export_decoder(model, tmp_path_factory.mktemp("ort-cpu") / "llama.onnx", flavour="ort-cpu")
 
 
@@ -120,6 +121,7 @@ def test_ort_cpu_flavour_fuses_and_generates_the_same_tokens(ort_cpu_llama):
     model, result = ort_cpu_llama
     _check_fusions(result)
     layers = model.config.num_hidden_layers
+    assert result.repeated and layers == 3
     # each layer: one GroupQueryAttention, and its two residual adds with the RMS norms after
     # them as SkipSimplifiedLayerNormalization (the first norm reads the embedding: no add)
     assert result.fusions == {"GroupQueryAttention": layers, "SkipSimplifiedLayerNormalization": 2 * layers,
@@ -391,19 +393,20 @@ def test_ort_cpu_decoder_of_every_family_generates_what_transformers_generates(f
                                   _transformers_greedy(model, ids, mask))
 
 
-def _moe(family: str) -> torch.nn.Module:
+def _moe(family: str, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
+    small = {**_SMALL, "num_hidden_layers": layers}
     if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**_SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        config = transformers.Qwen3MoeConfig(**small, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                              head_dim=16)
     elif family == "deepseek_v3":  # routed and shared experts after a dense layer; MLA's latent cache
         # its checkpoints give every head its own keys and values, as transformers' MLA expects
-        config = transformers.DeepseekV3Config(**{**_SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
+        config = transformers.DeepseekV3Config(**{**small, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
                                                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                                                kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                                v_head_dim=16)
     else:
-        config = transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2)
+        config = transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -414,9 +417,11 @@ def test_int4_mixture_of_experts_stores_its_experts_as_torchao_integers(family, 
     from onnxport.exporters.weight_only import file_weights, quantized_weights
     from onnxport.quantize.weight_only import quantize_weight_only
 
-    model = _moe(family)
+    # three layers: the second one's experts repeated for the third (each layer's experts route
+    # their own number of tokens: the copy's sizes are its own)
+    model = _moe(family, layers=3)
     result = export_decoder(model, tmp_path / "moe.onnx", precision="int4", group_size=16, flavour=flavour)
-    assert result.agreement
+    assert result.agreement and result.repeated
     # every expert weight is int4 in blocks of 16 input features: 'ort-cpu' holds each 3-D weight in
     # ONNX Runtime's QMoE kernel (packed, gate and up rows interleaved, read back as torchao's);
     # portable, each expert's matrix is a weight-only MatMul of its own ([in, out], blocks along

@@ -100,6 +100,7 @@ def torch_program(
     axes: Axes,
     custom_translation_table: dict | None = None,
     ranges: dict[str, tuple[int | None, int | None]] | None = None,
+    optimize: bool = True,
 ) -> torch.onnx.ONNXProgram:
     """Export with the dynamo exporter at ``max(opset_version, 18)``, with the symbolic ``axes``
     (checked by :func:`onnxport._core.axes.resolve_axes`) named as their labels in the file.
@@ -107,7 +108,8 @@ def torch_program(
     The program's ``model`` is an ``onnx_ir`` model whose weights still live in torch (nothing is
     copied until it is saved); ``model_proto`` is the same graph as a protobuf. ``ranges`` bounds
     labels from the start (``{'total_sequence': (4, None)}``), saving the capture torch would
-    otherwise refuse once and suggest them from.
+    otherwise refuse once and suggest them from. ``optimize=False`` leaves torch.onnx's optimizer
+    to the caller (``program.optimize()``), for a graph it changes first.
     """
     inputs = tracing_inputs(inputs, input_names, axes)
     chatter = io.StringIO()
@@ -132,6 +134,7 @@ def torch_program(
                 dynamic_shapes=dynamic_shapes,
                 verbose=False,
                 report=False,
+                optimize=optimize,
                 custom_translation_table={**check_translations(), **promotion_translations(),
                                           **(custom_translation_table or {})},
             )

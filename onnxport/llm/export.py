@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -49,7 +50,10 @@ from .experts import exportable_experts, qmoe_holds
 from .experts import translation_table as experts_translation
 from .generate import METADATA_KEY, decode, ort_step
 from .model import DecoderShape, cached_call, cached_forward, check_cache, decoder_shape, load_causal_lm
-from .names import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, position_ids_for
+from .names import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, past_names, position_ids_for, present_names
+from .repeat import TEMPLATE_LAYERS, first_layers, layer_stack, repeat_layers
+
+log = logging.getLogger("onnxport")
 
 PRECISIONS = ("fp32", "fp16", "int4", "int8")
 FLAVOURS = ("portable", "ort-cpu")
@@ -91,6 +95,8 @@ class DecoderFile:
         token_agreement: the share of the proof's greedy tokens the file (default level) picks
             as the model does, each step fed the model's own previous token.
         genai_config: the ``genai_config.json`` written beside the file (folder outputs only).
+        repeated: whether the graph was captured from the first two layers and the second one
+            repeated for the others (:mod:`onnxport.llm.repeat`), instead of every layer traced.
 
     ``str`` of it is the file's path (so ``onnx.load(str(result))`` works); :meth:`summary`
     describes it.
@@ -106,6 +112,7 @@ class DecoderFile:
     deployed: Report | None = None
     token_agreement: float = 1.0
     genai_config: Path | None = None
+    repeated: bool = False
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -444,7 +451,7 @@ def export_decoder(
         job = _Job(export_model, shape, sample, tokens, reference_logits, weights, precision, flavour,
                    group_size, opset_version, model_name, floor)
         try:
-            result = _write(job, file, attention=True)
+            result = _write_once(job, file, attention=True)
         except _RuntimeRefused as error:
             if flavour != "ort-cpu":
                 raise
@@ -455,7 +462,7 @@ def export_decoder(
                 PerformanceWarning,
                 stacklevel=2,
             )
-            result = _write(job, file, attention=False)
+            result = _write_once(job, file, attention=False)
         if folder is not None:
             result.genai_config = _write_folder_extras(folder, file, shape, source_folder)
         bar.update()
@@ -528,6 +535,11 @@ class _RuntimeRefused(ExportRefusedError):
     """ONNX Runtime refused to load or run the written file."""
 
 
+class _RepeatedLayersDiffer(ExportRefusedError):
+    """A file whose layers were captured once and repeated computes something else than the model:
+    the export captures every layer instead."""
+
+
 @dataclass
 class _Job:
     """What one write of the decoder file needs (the ``'ort-cpu'`` flavour may write twice)."""
@@ -545,6 +557,8 @@ class _Job:
     model_name: str
     #: fp32: the model's float floor on the proof's decoding, or why there is none
     floor: FloatFloor | str | None = None
+    #: capture the first two layers and repeat the second where the layers are alike
+    repeat: bool = True
 
 
 def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, nbits: bool = False) -> list:
@@ -602,9 +616,64 @@ def decoder_steps(weights: list, fusion: Any = None, *, contrib: bool = False, n
     return steps
 
 
+def _write_once(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
+    """:func:`_write`, capturing every layer if the file made of a repeated layer fails its proof."""
+    try:
+        return _write(job, file, attention=attention)
+    except _RepeatedLayersDiffer as error:
+        warnings.warn(
+            f"{job.model_name}'s decoder file, captured from its first two layers with the second repeated for "
+            f"the others, does not compute what the model computes ({_first_line(error)}); every layer is "
+            f"captured instead, which takes longer.",
+            PerformanceWarning,
+            stacklevel=3,
+        )
+        job.repeat = False
+        return _write(job, file, attention=attention)
+
+
+def _program(job: _Job, shape: DecoderShape, sample: tuple[torch.Tensor, ...], taken: list, *,
+             optimize: bool) -> Any:
+    """torch.onnx's program of the job's model with ``shape.layers`` layers (inside
+    ``exportable_experts``, which gives ``taken``)."""
+    from .._core.capture import torch_program
+
+    with cached_forward(job.export_model, shape), _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET):
+        # torch.export takes every traced size to be at least 2, so the mask (past and new
+        # tokens together) at least 4; saying so up front saves a refused capture
+        return torch_program(job.export_model, sample, opset_version=job.opset_version,
+                             input_names=shape.input_names, output_names=shape.output_names, axes=_axes(shape),
+                             ranges={"total_sequence": (4, None)},
+                             custom_translation_table=experts_translation() if taken else None, optimize=optimize)
+
+
+def _repeated_capture(job: _Job, shape: DecoderShape, taken: list) -> Any:
+    """The graph of the job's model captured from its first two layers, the second repeated for
+    every further one (:mod:`onnxport.llm.repeat`), optimised by torch.onnx's optimizer as a whole
+    capture is; or why its layers cannot be captured that way."""
+    model = job.export_model
+    stack = layer_stack(model, shape.layers)
+    if isinstance(stack, str):
+        return stack
+    # every layer's weights by the names the graph gives them, read before the list is cut
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    try:
+        with first_layers(model, stack):
+            program = _program(job, dataclasses.replace(shape, layers=TEMPLATE_LAYERS),
+                               job.sample[:3 + 2 * TEMPLATE_LAYERS], taken, optimize=False)
+    except ExportRefusedError as error:  # the whole model may still be captured
+        return f"its first two layers alone cannot be captured: {_first_line(error)}"
+    reason = repeat_layers(program.model, stack, lambda i, n: past_names(n)[2 * i:2 * i + 2],
+                           lambda i, n: present_names(n)[2 * i:2 * i + 2], shape.input_names, shape.output_names,
+                           tensors)
+    if reason is not None:
+        return reason
+    program.optimize()  # torch.onnx's own optimizer, on the whole graph
+    return program.model
+
+
 def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     """Capture, rewrite, write and prove the decoder file at ``file`` (complete or not at all)."""
-    from .._core.capture import torch_program
     from ..engine import ExportPlan, run_plan
     from ..passes.ort_fusions import OrtFusionPass, fused_ops
     from ..passes.ort_quantize import SetMetadataPass
@@ -624,15 +693,13 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
 
     def capture() -> Any:
         kernel = job.flavour == "ort-cpu" and (job.precision == "fp32" or job.precision == "int4" and qmoe_holds(weights))
-        with eval_mode(job.export_model), cached_forward(job.export_model, shape), \
-                _grouped_sdpa(job.opset_version >= ORT_CPU_OPSET), \
-                exportable_experts(job.export_model, kernel=kernel) as taken:
-            # torch.export takes every traced size to be at least 2, so the mask (past and new
-            # tokens together) at least 4; saying so up front saves a refused capture
-            return torch_program(job.export_model, job.sample, opset_version=job.opset_version,
-                                 input_names=shape.input_names, output_names=shape.output_names, axes=axes,
-                                 ranges={"total_sequence": (4, None)},
-                                 custom_translation_table=experts_translation() if taken else None).model
+        with eval_mode(job.export_model), exportable_experts(job.export_model, kernel=kernel) as taken:
+            repeated = _repeated_capture(job, shape, taken) if job.repeat else "asked to capture every layer"
+            if not isinstance(repeated, str):
+                result.repeated = True
+                return repeated
+            log.info("export_decoder: capturing every layer (%s)", repeated)
+            return _program(job, shape, job.sample, taken, optimize=True).model
 
     steps = decoder_steps(weights, fusion if job.flavour == "ort-cpu" else None,
                           contrib=job.flavour == "ort-cpu" and job.opset_version >= ORT_CPU_OPSET,
@@ -656,6 +723,8 @@ def _write(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
             strategy, reference, floors = WithinFloatFloor(FLOAT_FLOOR_MULTIPLE), job.floor.reference, job.floor.floors
         got, _ = _file_decoding(path, shape, job.tokens, optimized=False)
         result.agreement = _compare(got, reference, strategy, "unoptimised", floors)
+        if not result.agreement and result.repeated:
+            raise _RepeatedLayersDiffer(str(result.agreement))
         if not result.agreement:
             raise ExportRefusedError(
                 f"The decoder file does not compute what {job.model_name} computes "
