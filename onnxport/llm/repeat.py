@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -28,8 +27,6 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 import torch
-
-log = logging.getLogger("onnxport")
 
 #: the layers a template capture keeps: two, so that the graph shows the second layer reading the
 #: first one's output exactly as every later layer reads its predecessor's
