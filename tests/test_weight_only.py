@@ -345,3 +345,22 @@ def test_small_same_shaped_weights_keep_one_dequantizer_each(tmp_path):
     for attempt in range(2):  # a second export in one process is where it showed
         path = export_qdq(quantized, torch.randn(2, 16), tmp_path / f"same{attempt}.onnx")
         assert sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(path)).graph.node) == 4
+
+
+@pytest.mark.parametrize("method", ["int4_weight_only", "int8_weight_only"])
+def test_dequantizing_once_computes_torchaos_numbers_and_gives_its_weights_back(llama, method):
+    # the decoder's proof decodes with torchao's model; its weights dequantized once for that
+    # (not at every step), the logits must be torchao's to the bit, and the model left as it was
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    from onnxport.quantize.weight_only import dequantized_once, quantize_weight_only
+
+    q = quantize_weight_only(llama, method, group_size=32, symmetric=True, embeddings=False)
+    weights = {name: p for name, p in q.named_parameters() if isinstance(p.data, IntxUnpackedToInt8Tensor)}
+    assert len(weights) == _linears(llama)
+    expected = _logits(q, IDS)
+    with dequantized_once(q) as same:
+        assert same is q and not any(isinstance(p.data, IntxUnpackedToInt8Tensor) for p in q.parameters())
+        np.testing.assert_array_equal(_logits(q, IDS), expected)
+    assert all(dict(q.named_parameters())[name] is p for name, p in weights.items())
+    np.testing.assert_array_equal(_logits(q, IDS), expected)

@@ -432,7 +432,12 @@ def export_decoder(
                 release_freed_memory()
         bar.update()
         sample = _sample(shape, batch=2, length=3, past=4, seed=0)
-        with eval_mode(reference_model):
+        dequantized: Any = contextlib.nullcontext()
+        if weights:  # torchao's arithmetic, its weights dequantized once instead of at every step
+            from ..quantize.weight_only import dequantized_once
+
+            dequantized = dequantized_once(reference_model)
+        with eval_mode(reference_model), dequantized:
             check_cache(reference_model, shape, sample)
             tokens, reference_logits = _reference_decoding(reference_model, shape)
         floor: FloatFloor | str | None = None

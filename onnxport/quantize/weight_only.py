@@ -10,6 +10,7 @@ granularity and a symmetric or asymmetric mapping: one layout for both precision
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import warnings
@@ -202,3 +203,28 @@ def quantize_weight_only(
     _quantize_experts(work, WEIGHT_ONLY_BITS[method], group_size, symmetric)
     drop_bound_reprs(work)
     return work
+
+
+@contextlib.contextmanager
+def dequantized_once(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` whose weight-only quantized linears hold their dequantized weights for as long as
+    the block runs, then their torchao tensors again.
+
+    torchao computes such a linear as ``F.linear(x, weight.dequantize(), bias)`` at every call;
+    each weight dequantized once here, the same ``F.linear`` gives the same numbers, and decoding a
+    few tokens with a 1.1B model no longer dequantizes every weight at every step (26 s of an
+    export). The dequantized weights cost their float bytes while the block runs."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+    try:
+        for module in model.modules():
+            weight = getattr(module, "weight", None) if isinstance(module, torch.nn.Linear) else None
+            if isinstance(weight, torch.nn.Parameter) and isinstance(weight.data, IntxUnpackedToInt8Tensor) \
+                    and weight.data.activation_quantization is None:
+                swapped.append((module, weight))
+                module.weight = torch.nn.Parameter(weight.data.dequantize(), requires_grad=False)
+        yield model
+    finally:
+        for module, weight in swapped:
+            module.weight = weight
