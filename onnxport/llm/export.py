@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import torch
 
+from .._checks import first_line
 from .._core.io import check_output_path, write_bytes_atomic
 from .._core.torch_helpers import eval_mode
 from ..compare import (
@@ -628,7 +629,7 @@ def _write_once(job: _Job, file: Path, *, attention: bool) -> DecoderFile:
     except _RepeatedLayersDiffer as error:
         warnings.warn(
             f"{job.model_name}'s decoder file, captured from its first two layers with the second repeated for "
-            f"the others, does not compute what the model computes ({_first_line(error)}); every layer is "
+            f"the others, does not compute what the model computes ({first_line(error)}); every layer is "
             f"captured instead, which takes longer.",
             PerformanceWarning,
             stacklevel=3,
@@ -667,7 +668,7 @@ def _repeated_capture(job: _Job, shape: DecoderShape, taken: list) -> Any:
             program = _program(job, dataclasses.replace(shape, layers=TEMPLATE_LAYERS),
                                job.sample[:3 + 2 * TEMPLATE_LAYERS], taken, optimize=False)
     except ExportRefusedError as error:  # the whole model may still be captured
-        return f"its first two layers alone cannot be captured: {_first_line(error)}"
+        return f"its first two layers alone cannot be captured: {first_line(error)}"
     reason = repeat_layers(program.model, stack, lambda i, n: past_names(n)[2 * i:2 * i + 2],
                            lambda i, n: present_names(n)[2 * i:2 * i + 2], shape.input_names, shape.output_names,
                            tensors)

@@ -172,7 +172,7 @@ class _Template:
 
     def __init__(self, graph: ir.Graph, prefix: str, inputs: list[list[str]], outputs: list[list[str]]) -> None:
         self.graph, self.prefix = graph, prefix
-        self.layer_inputs = [[graph_input(graph, n) for n in names] for names in inputs]
+        self.layer_inputs = [[_graph_input(graph, n) for n in names] for names in inputs]
         self.layer_outputs = outputs
         nodes = list(graph)
         # torch.onnx writes a constant once and reads it wherever the same value is needed again
@@ -393,7 +393,7 @@ def _constant_value(value: ir.Value) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
-def graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
+def _graph_input(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((v for v in graph.inputs if v.name == name), None)
 
 
